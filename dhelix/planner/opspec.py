@@ -1,0 +1,61 @@
+"""Plain-data description of a layer's ops, shared by the executor, planner and simulator.
+
+An `OpSpec` says what an op is (compute or comm, which lane, which process group), how
+much work it does (FLOPs, bytes moved) and what memory it leaves behind, so the planner
+and the simulator can reason about a layer without touching tensors.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+COMPUTE, COMM = "compute", "comm"
+LANES = ("compute", "intra", "inter")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str                      # unique within its chain, e.g. "qkv", "rs_attn_b"
+    kind: str                      # COMPUTE or COMM
+    lane: str                      # "compute" | "intra" | "inter"
+    group: Optional[str] = None    # process-group name for comm ops ("tp", "dp", ...)
+    flops: float = 0.0             # compute work (FLOPs) for the cost model
+    comm_bytes: float = 0.0        # bytes each rank sends, for comm ops
+    collective: Optional[str] = None  # "all_gather" | "reduce_scatter" | "all_reduce" | ...
+    saved_bytes: float = 0.0       # activation bytes kept for backward (fwd) / freed (bwd)
+    temp_bytes: float = 0.0        # transient bytes alive only while the op runs
+    after: Optional[str] = None    # wgrad ops: the dgrad op they must follow
+    wgrad: bool = False            # deferrable weight-gradient op
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items()}
+
+    @staticmethod
+    def from_json(d: dict) -> "OpSpec":
+        return OpSpec(**d)
+
+
+@dataclass
+class LayerOps:
+    """The forward and backward chains of one layer, in chain order."""
+    forward: List[OpSpec] = field(default_factory=list)
+    backward: List[OpSpec] = field(default_factory=list)
+
+    def signature(self) -> str:
+        """Hash of the chains' structure and shapes: a plan or table is tied to it."""
+        payload = json.dumps(
+            {"f": [asdict(o) for o in self.forward], "b": [asdict(o) for o in self.backward]},
+            sort_keys=True,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        return {"forward": [o.to_json() for o in self.forward],
+                "backward": [o.to_json() for o in self.backward]}
+
+    @staticmethod
+    def from_json(d: dict) -> "LayerOps":
+        return LayerOps([OpSpec.from_json(o) for o in d["forward"]],
+                        [OpSpec.from_json(o) for o in d["backward"]])

@@ -1,0 +1,223 @@
+"""The layer plan: a versioned JSON file of steps, and the validator of DESIGN §1.2.
+
+A step pairs at most one forward segment of strand α with at most one backward segment
+of strand β; every op of both chains appears exactly once, in chain order (weight-grad
+ops anywhere after their dgrad), and no step holds two comm ops on one process group.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from dhelix.planner.opspec import COMM, LayerOps
+
+PLAN_FORMAT = "dhelix.plan"
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan that breaks a rule; the message names the file, step and rule."""
+
+
+@dataclass
+class Step:
+    fwd: List[str] = field(default_factory=list)   # α's forward segment (op names)
+    bwd: List[str] = field(default_factory=list)   # β's backward segment (op names)
+
+    def to_json(self) -> dict:
+        return {"fwd": list(self.fwd), "bwd": list(self.bwd)}
+
+
+@dataclass
+class Plan:
+    signature: str                 # LayerOps.signature() of the layer it was made for
+    forward: List[str]             # forward chain op names (for readable errors)
+    backward: List[str]            # backward chain op names
+    steps: List[Step]
+    meta: Dict = field(default_factory=dict)   # who made it, predicted times, ...
+
+    # ---- serialisation -------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "signature": self.signature,
+                "forward": self.forward, "backward": self.backward,
+                "steps": [s.to_json() for s in self.steps], "meta": self.meta}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @staticmethod
+    def from_json(d: dict, source: str = "<plan>") -> "Plan":
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{source}: field 'format' must be '{PLAN_FORMAT}' "
+                            f"(is this a DHelix plan file? write one with `dhelix plan`)")
+        if d.get("version") != PLAN_VERSION:
+            raise PlanError(f"{source}: field 'version' is {d.get('version')!r}, this DHelix "
+                            f"reads version {PLAN_VERSION}; re-create the plan with `dhelix plan`")
+        for key in ("signature", "forward", "backward", "steps"):
+            if key not in d:
+                raise PlanError(f"{source}: missing field '{key}'")
+        steps = []
+        for k, s in enumerate(d["steps"]):
+            if not isinstance(s, dict) or set(s) - {"fwd", "bwd"}:
+                raise PlanError(f"{source}: step {k}: a step is {{'fwd': [...], 'bwd': [...]}}")
+            steps.append(Step(list(s.get("fwd", [])), list(s.get("bwd", []))))
+        return Plan(d["signature"], list(d["forward"]), list(d["backward"]), steps,
+                    d.get("meta", {}))
+
+    @staticmethod
+    def load(path: str) -> "Plan":
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise PlanError(f"plan file not found: {path} (make one with `dhelix plan`)")
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON ({e}); the file is truncated or corrupted")
+        return Plan.from_json(d, source=path)
+
+    def digest(self) -> str:
+        """Hash used to check that every rank holds the same plan."""
+        payload = json.dumps({"sig": self.signature, "steps": [s.to_json() for s in self.steps]},
+                             sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def num_paired(self) -> int:
+        return sum(1 for s in self.steps if s.fwd and s.bwd)
+
+    def table(self) -> str:
+        """The plan as a readable table, one row per step."""
+        rows = [f"{'step':>4}  {'forward (α)':<40} {'backward (β)':<40}"]
+        for k, s in enumerate(self.steps):
+            rows.append(f"{k:>4}  {' '.join(s.fwd) or '-':<40} {' '.join(s.bwd) or '-':<40}")
+        return "\n".join(rows)
+
+
+# ---- validation ------------------------------------------------------------------------
+
+def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
+    """Raise PlanError naming the step and the rule broken; return None if legal."""
+    if plan.signature != layer.signature():
+        raise PlanError(
+            f"{source}: rule 'layer-shape': plan was made for layer signature "
+            f"{plan.signature}, this layer is {layer.signature()} (different model shape, "
+            f"parallel sizes or dtype); re-run `dhelix plan` for this model")
+    fwd_spec = {o.name: o for o in layer.forward}
+    bwd_spec = {o.name: o for o in layer.backward}
+    fwd_order = {o.name: i for i, o in enumerate(layer.forward)}
+    bwd_chain = [o.name for o in layer.backward if not o.wgrad]
+    bwd_order = {n: i for i, n in enumerate(bwd_chain)}
+    seen_f: Dict[str, int] = {}
+    seen_b: Dict[str, int] = {}
+    next_f = 0
+    next_b = 0
+    for k, step in enumerate(plan.steps):
+        groups: Dict[str, str] = {}
+        for strand, names, spec in (("fwd", step.fwd, fwd_spec), ("bwd", step.bwd, bwd_spec)):
+            for name in names:
+                op = spec.get(name)
+                if op is None:
+                    raise PlanError(f"{source}: step {k}: rule 'known-op': {strand} op "
+                                    f"'{name}' is not in this layer's {strand} chain")
+                seen = seen_f if strand == "fwd" else seen_b
+                if name in seen:
+                    raise PlanError(f"{source}: step {k}: rule 'each-op-once': {strand} op "
+                                    f"'{name}' repeated (first in step {seen[name]})")
+                seen[name] = k
+                if op.kind == COMM and op.group is not None:
+                    if op.group in groups:
+                        raise PlanError(
+                            f"{source}: step {k}: rule 'one-comm-per-group': '{groups[op.group]}'"
+                            f" and '{name}' both communicate on group '{op.group}' in one step")
+                    groups[op.group] = name
+                if strand == "fwd":
+                    if fwd_order[name] != next_f:
+                        want = layer.forward[next_f].name if next_f < len(layer.forward) else "-"
+                        raise PlanError(f"{source}: step {k}: rule 'chain-order': forward op "
+                                        f"'{name}' comes before '{want}'")
+                    next_f += 1
+                elif op.wgrad:
+                    if op.after not in seen_b:
+                        raise PlanError(f"{source}: step {k}: rule 'wgrad-after-dgrad': '{name}'"
+                                        f" runs before its dgrad '{op.after}'")
+                else:
+                    if bwd_order[name] != next_b:
+                        raise PlanError(f"{source}: step {k}: rule 'chain-order': backward op "
+                                        f"'{name}' comes before '{bwd_chain[next_b]}'")
+                    next_b += 1
+    missing = [o.name for o in layer.forward if o.name not in seen_f] + \
+              [o.name for o in layer.backward if o.name not in seen_b]
+    if missing:
+        raise PlanError(f"{source}: rule 'each-op-once': ops missing from the plan: "
+                        f"{', '.join(missing)}")
+
+
+# ---- built-in plans ----------------------------------------------------------------------
+
+def split_segments(ops) -> List[List[str]]:
+    """Cut a chain into maximal segments holding at most one comm op per group."""
+    segs: List[List[str]] = []
+    cur: List[str] = []
+    groups = set()
+    for o in ops:
+        if o.kind == COMM and o.group in groups:
+            segs.append(cur)
+            cur, groups = [], set()
+        cur.append(o.name)
+        if o.kind == COMM:
+            groups.add(o.group)
+    if cur:
+        segs.append(cur)
+    return segs
+
+
+def comm_runs(ops) -> List[List[str]]:
+    """Cut a chain into runs of compute ops and single comm ops."""
+    comm = _comm_names(ops)
+    segs: List[List[str]] = []
+    for o in ops:
+        if o.kind == COMM or not segs or segs[-1][-1] in comm:
+            segs.append([o.name])
+        else:
+            segs[-1].append(o.name)
+    return segs
+
+
+def _comm_names(ops):
+    return {o.name for o in ops if o.kind == COMM}
+
+
+def _plan(layer: LayerOps, steps: List[Step], made_by: str) -> Plan:
+    return Plan(layer.signature(), [o.name for o in layer.forward],
+                [o.name for o in layer.backward], steps, {"made_by": made_by})
+
+
+def trivial_plan(layer: LayerOps) -> Plan:
+    """All forward, then all backward, nothing paired (the baseline order)."""
+    steps = [Step(fwd=s) for s in split_segments(layer.forward)]
+    steps += [Step(bwd=s) for s in split_segments(layer.backward)]
+    return _plan(layer, steps, "trivial")
+
+
+def paired_plan(layer: LayerOps) -> Plan:
+    """Built-in plan for when no planner output is given: each comm op of one strand
+    runs beside the next compute run of the other strand."""
+    f, b = comm_runs(layer.forward), comm_runs(layer.backward)
+    fcomm, bcomm = _comm_names(layer.forward), _comm_names(layer.backward)
+    steps: List[Step] = []
+    i = j = 0
+    while i < len(f) and j < len(b):
+        f_is_comm, b_is_comm = f[i][0] in fcomm, b[j][0] in bcomm
+        if f_is_comm and b_is_comm:
+            # both strands wait on the same kind of resource: let the one further
+            # behind (relative to its chain length) go alone
+            if i / len(f) <= j / len(b):
+                steps.append(Step(fwd=f[i])); i += 1
+            else:
+                steps.append(Step(bwd=b[j])); j += 1
+        else:
+            steps.append(Step(f[i], b[j])); i += 1; j += 1
+    steps += [Step(fwd=s) for s in f[i:]] + [Step(bwd=s) for s in b[j:]]
+    return _plan(layer, steps, "paired")
