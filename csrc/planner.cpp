@@ -1,0 +1,343 @@
+// dhelix._planner_core: the C++ core of the DP planner (DESIGN §1.3) and of the one-step
+// lane simulation (DESIGN §1.5).
+//
+// It mirrors dhelix/planner/simulate.py (LaneModel.step) and dhelix/planner/dp.py (_dp,
+// _PyProblem) operation by operation -- same floating-point operations in the same order,
+// same candidate order, strict '<' for replacement -- so both return bit-identical costs
+// and the same plan.  Floating-point contraction (FMA) is switched off for that reason.
+//
+// Python API:
+//   Problem(f_lane, b_lane, f_group_bits, b_group_bits, f_T, b_T, f_saved, b_saved,
+//           f_temp, b_temp, stretch_flat[n*m], base_bytes)
+//     .step(i1, i2, j1, j2)            -> (time, peak_bytes)      (memoized)
+//     .step_indices(fidx, bidx, mem0)  -> (time, peak_bytes, bytes_at_end)
+//     .level(i, j)                     -> bytes alive at state (i, j)
+//     .solve(budget=inf)               -> (total, [(i1, i2, j1, j2), ...])  ((inf, []) if none)
+//   solve_dense(n, m, costs_flat)      -> (total, steps); costs[((i1*(n+1)+i2)*(m+1)+j1)*(m+1)+j2],
+//                                          inf where the transition is illegal
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+const double INF = std::numeric_limits<double>::infinity();
+using StepIdx = std::array<int, 4>;
+
+struct Legality {
+  int n = 0, m = 0;
+  // mask[a*(len+1)+b]: OR of group bits of ops a..b-1, or -1 when a group repeats
+  std::vector<int64_t> f_mask, b_mask;
+  std::vector<int> f_lo, b_lo;
+
+  static void masks(const std::vector<int64_t>& bits, std::vector<int64_t>& mask,
+                    std::vector<int>& lo) {
+    const int n = static_cast<int>(bits.size());
+    mask.assign(static_cast<size_t>(n + 1) * (n + 1), 0);
+    for (int a = 0; a <= n; ++a) {
+      int64_t m = 0;
+      for (int b = a + 1; b <= n; ++b) {
+        if (m != -1) {
+          const int64_t g = bits[b - 1];
+          m = (m & g) ? -1 : (m | g);
+        }
+        mask[static_cast<size_t>(a) * (n + 1) + b] = m;
+      }
+    }
+    lo.assign(n + 1, 0);
+    for (int b = 0; b <= n; ++b) {
+      int a = b;
+      while (a > 0 && mask[static_cast<size_t>(a - 1) * (n + 1) + b] != -1) --a;
+      lo[b] = a;
+    }
+  }
+
+  Legality() = default;
+  Legality(const std::vector<int64_t>& fb, const std::vector<int64_t>& bb)
+      : n(static_cast<int>(fb.size())), m(static_cast<int>(bb.size())) {
+    masks(fb, f_mask, f_lo);
+    masks(bb, b_mask, b_lo);
+  }
+  int64_t fm(int a, int b) const { return f_mask[static_cast<size_t>(a) * (n + 1) + b]; }
+  int64_t bm(int a, int b) const { return b_mask[static_cast<size_t>(a) * (m + 1) + b]; }
+};
+
+// The DP of dp.py:_dp.  `cost(i1, i2, j1, j2)` returns inf for a forbidden transition.
+template <class Cost>
+std::pair<double, std::vector<StepIdx>> run_dp(const Legality& L, Cost&& cost) {
+  const int n = L.n, m = L.m;
+  std::vector<double> T(static_cast<size_t>(n + 1) * (m + 1), INF);
+  std::vector<std::pair<int, int>> arg(static_cast<size_t>(n + 1) * (m + 1), {-1, -1});
+  auto at = [m](int i, int j) { return static_cast<size_t>(i) * (m + 1) + j; };
+  T[0] = 0.0;
+  for (int i2 = 0; i2 <= n; ++i2) {
+    for (int j2 = 0; j2 <= m; ++j2) {
+      if (i2 == 0 && j2 == 0) continue;
+      double best = INF;
+      int bi = -1, bj = -1;
+      for (int i1 = L.f_lo[i2]; i1 <= i2; ++i1) {
+        const int64_t fm = L.fm(i1, i2);
+        for (int j1 = L.b_lo[j2]; j1 <= j2; ++j1) {
+          if (i1 == i2 && j1 == j2) continue;
+          if (fm & L.bm(j1, j2)) continue;
+          const double prev = T[at(i1, j1)];
+          if (prev == INF) continue;
+          const double v = prev + cost(i1, i2, j1, j2);
+          if (v < best) {
+            best = v;
+            bi = i1;
+            bj = j1;
+          }
+        }
+      }
+      T[at(i2, j2)] = best;
+      arg[at(i2, j2)] = {bi, bj};
+    }
+  }
+  std::vector<StepIdx> steps;
+  if (T[at(n, m)] == INF) return {INF, steps};
+  int i2 = n, j2 = m;
+  while (i2 || j2) {
+    auto [i1, j1] = arg[at(i2, j2)];
+    steps.push_back({i1, i2, j1, j2});
+    i2 = i1;
+    j2 = j1;
+  }
+  std::vector<StepIdx> fwd(steps.rbegin(), steps.rend());
+  return {T[at(n, m)], fwd};
+}
+
+py::tuple result(const std::pair<double, std::vector<StepIdx>>& r) {
+  py::list steps;
+  for (const auto& s : r.second) steps.append(py::make_tuple(s[0], s[1], s[2], s[3]));
+  return py::make_tuple(r.first, steps);
+}
+
+class Problem {
+ public:
+  Problem(std::vector<int> f_lane, std::vector<int> b_lane, std::vector<int64_t> f_bits,
+          std::vector<int64_t> b_bits, std::vector<double> f_T, std::vector<double> b_T,
+          std::vector<double> f_saved, std::vector<double> b_saved, std::vector<double> f_temp,
+          std::vector<double> b_temp, std::vector<double> S, double base)
+      : f_lane_(std::move(f_lane)), b_lane_(std::move(b_lane)), f_T_(std::move(f_T)),
+        b_T_(std::move(b_T)), f_saved_(std::move(f_saved)), b_saved_(std::move(b_saved)),
+        f_temp_(std::move(f_temp)), b_temp_(std::move(b_temp)), S_(std::move(S)), base_(base) {
+    n_ = static_cast<int>(f_lane_.size());
+    m_ = static_cast<int>(b_lane_.size());
+    auto need = [](size_t got, size_t want, const char* what) {
+      if (got != want)
+        throw std::invalid_argument(std::string("Problem: ") + what + " has the wrong length");
+    };
+    need(f_bits.size(), n_, "f_group_bits");
+    need(b_bits.size(), m_, "b_group_bits");
+    need(f_T_.size(), n_, "f_T");
+    need(b_T_.size(), m_, "b_T");
+    need(f_saved_.size(), n_, "f_saved");
+    need(b_saved_.size(), m_, "b_saved");
+    need(f_temp_.size(), n_, "f_temp");
+    need(b_temp_.size(), m_, "b_temp");
+    need(S_.size(), static_cast<size_t>(n_) * m_, "stretch");
+    L_ = Legality(f_bits, b_bits);
+    f_pre_.assign(n_ + 1, 0.0);
+    for (int k = 0; k < n_; ++k) f_pre_[k + 1] = f_pre_[k] + f_saved_[k];
+    b_pre_.assign(m_ + 1, 0.0);
+    for (int k = 0; k < m_; ++k) b_pre_[k + 1] = b_pre_[k] + b_saved_[k];
+    const size_t sz = static_cast<size_t>(n_ + 1) * (n_ + 1) * (m_ + 1) * (m_ + 1);
+    memo_t_.assign(sz, 0.0);
+    memo_p_.assign(sz, 0.0);
+    memo_ok_.assign(sz, 0);
+  }
+
+  double level(int i, int j) const { return (base_ + f_pre_[i]) - b_pre_[j]; }
+
+  // One step: LaneModel.step of simulate.py.  Returns (time, peak, mem at end).
+  std::tuple<double, double, double> simulate(const int* fidx, int na, const int* bidx, int nb,
+                                              double mem0) const {
+    int ia = 0, ib = 0;
+    bool run_a = false, run_b = false;
+    double rem_a = 0.0, rem_b = 0.0, ready_a = 0.0, ready_b = 0.0;
+    double t = 0.0, mem = mem0, peak = mem0;
+    while (true) {
+      const bool can_a = !run_a && ia < na;
+      const bool can_b = !run_b && ib < nb;
+      if (can_a || can_b) {
+        const bool b_first = can_a && can_b && ready_b < ready_a;
+        for (int pass = 0; pass < 2; ++pass) {
+          const int which = b_first ? 1 - pass : pass;
+          if (which == 0) {
+            if (!can_a) continue;
+            const int k = fidx[ia];
+            if (run_b && b_lane_[bidx[ib]] == f_lane_[k]) continue;
+            run_a = true;
+            rem_a = f_T_[k];
+            mem = mem + f_temp_[k];
+            mem = mem + f_saved_[k];
+            if (mem > peak) peak = mem;
+          } else {
+            if (!can_b) continue;
+            const int k = bidx[ib];
+            if (run_a && f_lane_[fidx[ia]] == b_lane_[k]) continue;
+            run_b = true;
+            rem_b = b_T_[k];
+            mem = mem + b_temp_[k];
+            if (mem > peak) peak = mem;
+          }
+        }
+      }
+      if (!run_a && !run_b) break;
+      double s, dt;
+      bool fin_a, fin_b;
+      if (run_a && run_b) {
+        s = S_[static_cast<size_t>(fidx[ia]) * m_ + bidx[ib]];
+        const double da = rem_a * s;
+        const double db = rem_b * s;
+        if (da < db) {
+          dt = da; fin_a = true; fin_b = false;
+        } else if (db < da) {
+          dt = db; fin_a = false; fin_b = true;
+        } else {
+          dt = da; fin_a = true; fin_b = true;
+        }
+      } else if (run_a) {
+        s = 1.0; dt = rem_a; fin_a = true; fin_b = false;
+      } else {
+        s = 1.0; dt = rem_b; fin_a = false; fin_b = true;
+      }
+      const double t_end = t + dt;
+      if (run_a) {
+        if (fin_a) {
+          const int k = fidx[ia];
+          mem = mem - f_temp_[k];
+          ready_a = t_end;
+          ++ia;
+          run_a = false;
+        } else {
+          rem_a = rem_a - dt / s;
+        }
+      }
+      if (run_b) {
+        if (fin_b) {
+          const int k = bidx[ib];
+          mem = mem - b_temp_[k];
+          mem = mem - b_saved_[k];
+          ready_b = t_end;
+          ++ib;
+          run_b = false;
+        } else {
+          rem_b = rem_b - dt / s;
+        }
+      }
+      t = t_end;
+    }
+    return {t, peak, mem};
+  }
+
+  std::pair<double, double> step(int i1, int i2, int j1, int j2) {
+    check(i1, i2, j1, j2);
+    const size_t key = ((static_cast<size_t>(i1) * (n_ + 1) + i2) * (m_ + 1) + j1) * (m_ + 1) + j2;
+    if (!memo_ok_[key]) {
+      int fi[64], bi[64];
+      std::vector<int> fv, bv;
+      int* fp = fi;
+      int* bp = bi;
+      if (i2 - i1 > 64) { fv.resize(i2 - i1); fp = fv.data(); }
+      if (j2 - j1 > 64) { bv.resize(j2 - j1); bp = bv.data(); }
+      for (int k = i1; k < i2; ++k) fp[k - i1] = k;
+      for (int k = j1; k < j2; ++k) bp[k - j1] = k;
+      auto r = simulate(fp, i2 - i1, bp, j2 - j1, level(i1, j1));
+      memo_t_[key] = std::get<0>(r);
+      memo_p_[key] = std::get<1>(r);
+      memo_ok_[key] = 1;
+    }
+    return {memo_t_[key], memo_p_[key]};
+  }
+
+  py::tuple step_indices(const std::vector<int>& fidx, const std::vector<int>& bidx,
+                         double mem0) const {
+    for (int k : fidx)
+      if (k < 0 || k >= n_) throw std::out_of_range("step_indices: forward index out of range");
+    for (int k : bidx)
+      if (k < 0 || k >= m_) throw std::out_of_range("step_indices: backward index out of range");
+    auto r = simulate(fidx.data(), static_cast<int>(fidx.size()), bidx.data(),
+                      static_cast<int>(bidx.size()), mem0);
+    return py::make_tuple(std::get<0>(r), std::get<1>(r), std::get<2>(r));
+  }
+
+  py::tuple solve(double budget) {
+    auto r = run_dp(L_, [&](int i1, int i2, int j1, int j2) {
+      auto tp = step(i1, i2, j1, j2);
+      return tp.second <= budget ? tp.first : INF;
+    });
+    return result(r);
+  }
+
+  int n() const { return n_; }
+  int m() const { return m_; }
+
+ private:
+  void check(int i1, int i2, int j1, int j2) const {
+    if (i1 < 0 || i1 > i2 || i2 > n_ || j1 < 0 || j1 > j2 || j2 > m_)
+      throw std::out_of_range("step: need 0 <= i1 <= i2 <= n and 0 <= j1 <= j2 <= m");
+  }
+
+  int n_ = 0, m_ = 0;
+  std::vector<int> f_lane_, b_lane_;
+  std::vector<double> f_T_, b_T_, f_saved_, b_saved_, f_temp_, b_temp_, S_;
+  double base_;
+  Legality L_;
+  std::vector<double> f_pre_, b_pre_;
+  std::vector<double> memo_t_, memo_p_;
+  std::vector<char> memo_ok_;
+};
+
+py::tuple solve_dense(int n, int m, const std::vector<double>& costs) {
+  if (n < 0 || m < 0) throw std::invalid_argument("solve_dense: n and m must be >= 0");
+  const size_t sz = static_cast<size_t>(n + 1) * (n + 1) * (m + 1) * (m + 1);
+  if (costs.size() != sz)
+    throw std::invalid_argument("solve_dense: costs must have (n+1)^2 (m+1)^2 entries");
+  // Illegal transitions carry inf; with no group bits every segment passes the mask test.
+  Legality L(std::vector<int64_t>(n, 0), std::vector<int64_t>(m, 0));
+  auto r = run_dp(L, [&](int i1, int i2, int j1, int j2) {
+    return costs[((static_cast<size_t>(i1) * (n + 1) + i2) * (m + 1) + j1) * (m + 1) + j2];
+  });
+  return result(r);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_planner_core, mod) {
+  mod.doc() = "DHelix planner core: one-step lane simulation and the op-level DP (see dp.py)";
+  py::class_<Problem>(mod, "Problem")
+      .def(py::init<std::vector<int>, std::vector<int>, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<double>, std::vector<double>,
+                    std::vector<double>, std::vector<double>, std::vector<double>,
+                    std::vector<double>, std::vector<double>, double>(),
+           py::arg("f_lane"), py::arg("b_lane"), py::arg("f_group_bits"),
+           py::arg("b_group_bits"), py::arg("f_T"), py::arg("b_T"), py::arg("f_saved"),
+           py::arg("b_saved"), py::arg("f_temp"), py::arg("b_temp"), py::arg("stretch"),
+           py::arg("base_bytes"))
+      .def("step", &Problem::step, py::arg("i1"), py::arg("i2"), py::arg("j1"), py::arg("j2"))
+      .def("step_indices", &Problem::step_indices, py::arg("fidx"), py::arg("bidx"),
+           py::arg("mem0") = 0.0)
+      .def("level", &Problem::level)
+      .def("solve", &Problem::solve, py::arg("budget") = INF)
+      .def_property_readonly("n", &Problem::n)
+      .def_property_readonly("m", &Problem::m);
+  mod.def("solve_dense", &solve_dense, py::arg("n"), py::arg("m"), py::arg("costs"));
+}

@@ -1,0 +1,123 @@
+"""`dhelix train | demo | make-corpus | ...` — one entry point, one subcommand per job."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+
+def _strip_nproc(argv: List[str]) -> List[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--nproc", "--timeout"):
+            skip = True
+            continue
+        if a.startswith("--nproc=") or a.startswith("--timeout="):
+            continue
+        out.append(a)
+    return out
+
+
+def cmd_train(a, argv) -> int:
+    from dhelix.models.config import ConfigError, load_model_config
+    from dhelix.train.args import train_config_from_args
+    from dhelix.train.trainer import check_layout, train
+
+    cfg = train_config_from_args(a)
+    if a.nproc:
+        # Fail fast on bad input before starting any rank.
+        try:
+            check_layout(cfg, load_model_config(cfg.config), a.nproc)
+        except ConfigError as e:
+            print(f"dhelix train: error: {e}", file=sys.stderr)
+            return 2
+        from dhelix.train.dist import spawn_local
+        return spawn_local(a.nproc, _strip_nproc(argv), timeout_s=a.timeout)
+    try:
+        train(cfg)
+    except ConfigError as e:
+        print(f"dhelix train: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def cmd_make_corpus(a, argv) -> int:
+    from dhelix.train.data import build_corpus_dataset
+    build_corpus_dataset(a.output, num_docs=a.num_docs, seed=a.seed)
+    print(f"dhelix make-corpus: wrote {a.output}.bin and {a.output}.idx ({a.num_docs} documents)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dhelix.train.args import add_train_args
+
+    p = argparse.ArgumentParser(prog="dhelix", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="train a megatron-core GPT (baseline or --dhelix)")
+    add_train_args(t)
+    _add_dhelix_args_if_present(t)
+    t.set_defaults(func=cmd_train)
+
+    c = sub.add_parser("make-corpus", help="write the generated grammar corpus as a "
+                                           "Megatron indexed dataset")
+    c.add_argument("--output", required=True, help="path prefix for .bin/.idx")
+    c.add_argument("--num-docs", type=int, default=2000)
+    c.add_argument("--seed", type=int, default=1234)
+    c.set_defaults(func=cmd_make_corpus)
+
+    for name, register in _extra_commands():
+        register(sub)
+    return p
+
+
+def _add_dhelix_args_if_present(p):
+    try:
+        from dhelix.megatron.args import add_dhelix_args
+    except ImportError:
+        return
+    add_dhelix_args(p)
+
+
+def _extra_commands():
+    """Subcommands that live with their component (demo, plan, simulate, profile, ...)."""
+    import importlib
+    out = []
+    for mod in ("dhelix.demo", "dhelix.planner.cli", "dhelix.profiler.cli"):
+        try:
+            m = importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name and mod.startswith(e.name):
+                continue
+            raise
+        out.append((mod, m.register))
+    return out
+
+
+def quiet_library_warnings() -> None:
+    """megatron and torch warn about missing apex/TE and CUDA-only tuning on every rank."""
+    import warnings
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for cat in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=cat, module=r"(megatron|torch)\.")
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|apex).*")
+    warnings.filterwarnings("ignore", message=r".*deprecated.*")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    quiet_library_warnings()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv)
+    return a.func(a, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

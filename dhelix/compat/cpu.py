@@ -1,0 +1,123 @@
+"""The few CUDA assumptions of megatron-core 0.16, met on CPU (DESIGN §4 (c), (d)).
+
+Applied only when CUDA is absent, by `apply()`; nothing else in DHelix patches megatron.
+  (c) megatron allocates gather / all-to-all / grad buffers on `torch.cuda.current_device()`:
+      inside those modules only, `torch.cuda.current_device()` answers "cpu".
+  (d) the model-parallel RNG tracker keeps CUDA generator states: a tracker with the same
+      interface keeps CPU generator states instead, seeded by
+      `model_parallel_cuda_manual_seed` as usual.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+_APPLIED = False
+
+# megatron modules whose buffers are allocated with torch.cuda.current_device()
+_BUFFER_MODULES = (
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
+)
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """Stands in for `torch.cuda` inside the patched modules."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device():
+        return "cpu"
+
+    @staticmethod
+    def is_available():
+        return False
+
+
+class _TorchView(types.ModuleType):
+    """`torch` as seen by one patched module: everything but `.cuda` is the real torch."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+
+    def __getattr__(self, name):
+        fn = getattr(torch, name)
+        if name in _FACTORIES:
+            def on_cpu(*args, **kwargs):
+                if str(kwargs.get("device", "")).startswith("cuda"):
+                    kwargs["device"] = "cpu"
+                return fn(*args, **kwargs)
+            return on_cpu
+        return fn
+
+
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Model-parallel RNG tracker over CPU generator states."""
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def apply() -> bool:
+    """Patch megatron for CPU if CUDA is absent. Returns True if patches are in place."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    import importlib
+
+    view = _TorchView()
+    for modname in _BUFFER_MODULES:
+        mod = importlib.import_module(modname)
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = view
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker_cls = _cpu_tracker_class()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # `initialize_rng_tracker(force_reset=True)` would build a CUDA tracker again
+    mrandom.CudaRNGStatesTracker = tracker_cls
+    _APPLIED = True
+    return True
+
+
+def is_applied() -> bool:
+    return _APPLIED

@@ -1,0 +1,61 @@
+"""Build megatron-core's GPTModel from a ModelConfig and parallel settings."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from dhelix.models.config import ModelConfig
+from dhelix.models.spec import block_spec
+
+
+def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
+                       bf16: bool = False, pp: int = 1) -> TransformerConfig:
+    """The megatron TransformerConfig for a model shape. Fusions that need CUDA kernels
+    are off; the math is megatron's unfused path, which the DHelix layer mirrors."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization=m.normalization,
+        activation_func=F.silu if m.activation == "swiglu" else F.gelu,
+        gated_linear_unit=m.activation == "swiglu",
+        add_bias_linear=m.add_bias_linear,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        bf16=bf16,
+        pipeline_dtype=dtype,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=True,
+    )
+
+
+def build_gpt(m: ModelConfig, config: TransformerConfig, layer_module=TransformerLayer,
+              seq_length: int = 128) -> GPTModel:
+    """megatron-core GPTModel with the CPU-safe spec; `layer_module` picks the layer."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(m.num_layers, layer_module),
+        vocab_size=m.vocab_size,
+        max_sequence_length=max(seq_length, m.max_position_embeddings),
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+        position_embedding_type=m.position_embedding_type,
+    )

@@ -1,0 +1,123 @@
+"""Layer specs built only from megatron-core modules plus two CPU-safe pieces.
+
+megatron-core's local spec needs apex for a sequence-parallel norm and a CUDA buffer for
+its core attention. `Norm` (torch LayerNorm/RMSNorm math, marked sequence-parallel) and
+`SDPAttention` (scaled_dot_product_attention) replace them; everything else — linears,
+MLP, bias-dropout-add, the layer itself — is megatron-core's own. The layer module is a
+parameter so that the DHelix layer drops into the same spec.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+
+class Norm(torch.nn.Module):
+    """LayerNorm or RMSNorm (by `config.normalization`) that works with sequence parallel:
+    its parameters are marked `sequence_parallel` so megatron all-reduces their grads."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_):
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(
+            torch.zeros(hidden_size, dtype=config.params_dtype))
+        for p in self.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x):
+        if self.rms:
+            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+
+class SDPAttention(MegatronModule):
+    """Core attention on `scaled_dot_product_attention`: [s, b, np, hn] -> [s, b, np*hn].
+    Same constructor as megatron's DotProductAttention, no CUDA buffers."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None,
+                 softmax_scale: Optional[float] = None, cp_comm_type=None,
+                 pg_collection=None, **_):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention: context parallelism is not supported "
+                             "(set --context-parallel-size 1)")
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None \
+            else attention_dropout
+        self.softmax_scale = softmax_scale
+        if self.softmax_scale is None:
+            self.softmax_scale = config.kv_channels ** -0.5
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None, **_):
+        if packed_seq_params is not None:
+            raise ValueError("SDPAttention: packed sequences are not supported")
+        np_, ng = query.size(2), key.size(2)
+        if np_ != ng:   # grouped-query attention: repeat KV heads
+            key = key.repeat_interleave(np_ // ng, dim=2)
+            value = value.repeat_interleave(np_ // ng, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [b, np, s, hn]
+        mask_type = attn_mask_type or self.attn_mask_type
+        causal = mask_type == AttnMaskType.causal
+        mask = None
+        if not causal and attention_mask is not None:
+            mask = ~attention_mask   # megatron masks True = masked out
+        ctx = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal,
+            dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale)
+        s, b = ctx.size(2), ctx.size(0)
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def layer_spec(layer_module=TransformerLayer) -> ModuleSpec:
+    """A GPT layer spec from megatron-core modules, CPU-safe; `layer_module` is
+    megatron's TransformerLayer or the DHelix layer (same submodules, same params)."""
+    return ModuleSpec(
+        module=layer_module,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=Norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=SDPAttention,
+                    linear_proj=RowParallelLinear,
+                    q_layernorm=IdentityOp,
+                    k_layernorm=IdentityOp,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=Norm,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def block_spec(num_layers: int, layer_module=TransformerLayer) -> TransformerBlockSubmodules:
+    """Block spec whose final norm is the sequence-parallel-capable `Norm` too."""
+    spec = layer_spec(layer_module)
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=Norm)

@@ -1,0 +1,233 @@
+"""The pairwise cost table of DESIGN §1.4: op times alone and forward/backward pairs together.
+
+A `CostTable` is plain data.  For one layer (identified by `LayerOps.signature()`) it holds
+
+* ``alone_f[name]`` -- seconds for forward op ``name`` run alone,
+* ``alone_b[name]`` -- seconds for backward op ``name`` run alone,
+* ``pair[(f, b)]``  -- seconds from launching forward op ``f`` and backward op ``b``
+  together until both are done,
+
+plus a free-form ``provenance`` dict that records what it was measured on (model shape,
+dtype, parallel sizes, hardware, library versions, or "analytical" and the cluster file).
+
+File format (JSON)::
+
+    {"format": "dhelix.table", "version": 1,
+     "signature": "<LayerOps.signature()>",
+     "forward": [names...], "backward": [names...],
+     "alone_f": {"qkv": 1.2e-3, ...}, "alone_b": {...},
+     "pair": {"qkv": {"rs_mlp_b": 1.5e-3, ...}, ...},      # pair[f][b]
+     "provenance": {...}}
+
+Every problem with a table file raises `TableError` naming the file and what is wrong.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from dhelix.planner.opspec import COMPUTE, LayerOps, OpSpec
+
+TABLE_FORMAT = "dhelix.table"
+TABLE_VERSION = 1
+
+
+class TableError(ValueError):
+    """A cost table that is missing entries, corrupt, or made for another layer."""
+
+
+def concurrent(f: OpSpec, b: OpSpec) -> bool:
+    """Whether forward op ``f`` and backward op ``b`` can actually run at the same time.
+
+    Ops on the same lane serialize (one compute lane; one stream per comm lane), so the
+    simulator never needs their pair entry.
+    """
+    return f.lane != b.lane
+
+
+@dataclass
+class CostTable:
+    signature: str
+    forward: List[str]
+    backward: List[str]
+    alone_f: Dict[str, float] = field(default_factory=dict)
+    alone_b: Dict[str, float] = field(default_factory=dict)
+    pair: Dict[Tuple[str, str], float] = field(default_factory=dict)
+    provenance: Dict = field(default_factory=dict)
+
+    # ---- construction ---------------------------------------------------------------
+    @staticmethod
+    def empty(layer: LayerOps, provenance: Optional[Dict] = None) -> "CostTable":
+        """A table for ``layer`` with no entries yet (the profiler fills it)."""
+        return CostTable(layer.signature(), [o.name for o in layer.forward],
+                         [o.name for o in layer.backward], {}, {}, {}, dict(provenance or {}))
+
+    # ---- queries --------------------------------------------------------------------
+    def oef(self, f: str, b: str) -> float:
+        """Overlap effectiveness (T_f + T_b - P) / min(T_f, T_b); 1 = shorter op hidden."""
+        tf, tb, p = self.alone_f[f], self.alone_b[b], self.pair[(f, b)]
+        lo = min(tf, tb)
+        if lo <= 0.0:
+            return 1.0 if p <= max(tf, tb) else 0.0
+        return (tf + tb - p) / lo
+
+    def stretch(self, f: str, b: str) -> float:
+        """Slow-down factor of both ops while they overlap, s = max(1, 2 - OEF).
+
+        With both ops progressing at rate 1/s while they overlap and at rate 1 alone, two
+        ops launched together finish exactly after P (the measured pair time) whenever
+        P >= max(T_f, T_b); see `dhelix.planner.simulate`.
+        """
+        tf, tb, p = self.alone_f[f], self.alone_b[b], self.pair[(f, b)]
+        lo = tf if tf < tb else tb
+        hi = tb if tf < tb else tf
+        if lo <= 0.0:
+            return 1.0
+        s = 1.0 + (p - hi) / lo
+        return s if s > 1.0 else 1.0
+
+    def missing(self, layer: Optional[LayerOps] = None, pairs: str = "all") -> List[str]:
+        """Names of the entries this table lacks for ``layer`` (default: its own op lists).
+
+        ``pairs="all"`` asks for every forward x backward pair; ``pairs="concurrent"`` only
+        for pairs on different lanes (the only ones the simulator reads); ``pairs="none"``
+        only for the alone times.  Entries read ``alone_f[qkv]``, ``pair[qkv, fc2_dgrad]``.
+        """
+        if pairs not in ("all", "concurrent", "none"):
+            raise ValueError(f"pairs must be 'all', 'concurrent' or 'none', not {pairs!r}")
+        if layer is not None:
+            fwd, bwd = list(layer.forward), list(layer.backward)
+            fnames, bnames = [o.name for o in fwd], [o.name for o in bwd]
+        else:
+            fwd = bwd = None
+            fnames, bnames = list(self.forward), list(self.backward)
+        out = [f"alone_f[{n}]" for n in fnames if not _ok(self.alone_f.get(n))]
+        out += [f"alone_b[{n}]" for n in bnames if not _ok(self.alone_b.get(n))]
+        if pairs == "none":
+            return out
+        for fi, fn in enumerate(fnames):
+            for bi, bn in enumerate(bnames):
+                if pairs == "concurrent" and fwd is not None and not concurrent(fwd[fi], bwd[bi]):
+                    continue
+                if not _ok(self.pair.get((fn, bn))):
+                    out.append(f"pair[{fn}, {bn}]")
+        return out
+
+    def check(self, layer: LayerOps, source: str = "<table>", pairs: str = "all",
+              force: bool = False) -> None:
+        """Raise TableError if the table is for another layer (unless ``force``) or lacks
+        entries for ``layer``."""
+        if self.signature != layer.signature() and not force:
+            prov = ", ".join(f"{k}={v}" for k, v in sorted(self.provenance.items())
+                             if not isinstance(v, (dict, list)))
+            raise TableError(
+                f"{source}: table was measured for layer signature {self.signature}"
+                f"{' (' + prov + ')' if prov else ''}, this layer is {layer.signature()} "
+                f"(different model shape, parallel sizes or dtype); re-profile, or force it")
+        miss = self.missing(layer, pairs=pairs)
+        if miss:
+            shown = ", ".join(miss[:12]) + (f", ... ({len(miss)} in all)" if len(miss) > 12 else "")
+            raise TableError(f"{source}: table lacks {len(miss)} entr"
+                             f"{'y' if len(miss) == 1 else 'ies'}: {shown}")
+
+    # ---- serialisation --------------------------------------------------------------
+    def to_json(self) -> dict:
+        nested: Dict[str, Dict[str, float]] = {}
+        for (f, b), v in self.pair.items():
+            nested.setdefault(f, {})[b] = v
+        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "signature": self.signature,
+                "forward": list(self.forward), "backward": list(self.backward),
+                "alone_f": dict(self.alone_f), "alone_b": dict(self.alone_b),
+                "pair": nested, "provenance": self.provenance}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=False)
+
+    @staticmethod
+    def from_json(d: dict, source: str = "<table>") -> "CostTable":
+        if not isinstance(d, dict) or d.get("format") != TABLE_FORMAT:
+            raise TableError(f"{source}: field 'format' must be '{TABLE_FORMAT}' "
+                             f"(is this a DHelix cost table? make one with `dhelix profile`)")
+        if d.get("version") != TABLE_VERSION:
+            raise TableError(f"{source}: field 'version' is {d.get('version')!r}, this DHelix "
+                             f"reads version {TABLE_VERSION}; re-create the table")
+        for key in ("signature", "forward", "backward", "alone_f", "alone_b", "pair"):
+            if key not in d:
+                raise TableError(f"{source}: missing field '{key}'")
+        if not isinstance(d["forward"], list) or not isinstance(d["backward"], list):
+            raise TableError(f"{source}: fields 'forward' and 'backward' must be lists of op names")
+        for key in ("alone_f", "alone_b", "pair"):
+            if not isinstance(d[key], dict):
+                raise TableError(f"{source}: field '{key}' must be an object")
+        alone_f = {str(k): _num(v, source, f"alone_f[{k}]") for k, v in d["alone_f"].items()}
+        alone_b = {str(k): _num(v, source, f"alone_b[{k}]") for k, v in d["alone_b"].items()}
+        pair: Dict[Tuple[str, str], float] = {}
+        for f, row in d["pair"].items():
+            if not isinstance(row, dict):
+                raise TableError(f"{source}: pair['{f}'] must be an object of backward op -> seconds")
+            for b, v in row.items():
+                pair[(str(f), str(b))] = _num(v, source, f"pair[{f}, {b}]")
+        prov = d.get("provenance", {})
+        if not isinstance(prov, dict):
+            raise TableError(f"{source}: field 'provenance' must be an object")
+        return CostTable(str(d["signature"]), [str(n) for n in d["forward"]],
+                         [str(n) for n in d["backward"]], alone_f, alone_b, pair, prov)
+
+    @staticmethod
+    def load(path: str, layer: Optional[LayerOps] = None, pairs: str = "all",
+             force: bool = False) -> "CostTable":
+        """Read a table; with ``layer``, also check it (signature and missing entries)."""
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            raise TableError(f"cost table file not found: {path} (make one with `dhelix profile`"
+                             f" or from a cluster file with the analytical cost model)")
+        except json.JSONDecodeError as e:
+            raise TableError(f"{path}: not valid JSON ({e}); the file is truncated or corrupted")
+        except UnicodeDecodeError as e:
+            raise TableError(f"{path}: not a text file ({e}); the file is corrupted")
+        t = CostTable.from_json(d, source=path)
+        if layer is not None:
+            t.check(layer, source=path, pairs=pairs, force=force)
+        return t
+
+    def write_csv(self, path: str) -> None:
+        """CSV view: one row per (forward, backward) pair with T_f, T_b, P and OEF."""
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["forward", "backward", "T_f_s", "T_b_s", "P_s", "OEF"])
+            for fn in self.forward:
+                for bn in self.backward:
+                    tf, tb = self.alone_f.get(fn), self.alone_b.get(bn)
+                    p = self.pair.get((fn, bn))
+                    oef = self.oef(fn, bn) if None not in (tf, tb, p) else None
+                    w.writerow([fn, bn, _fmt(tf), _fmt(tb), _fmt(p), _fmt(oef)])
+
+
+def _ok(v) -> bool:
+    return v is not None and math.isfinite(v) and v >= 0.0
+
+
+def _num(v, source: str, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TableError(f"{source}: entry {what} is {v!r}, not a number of seconds")
+    v = float(v)
+    if not math.isfinite(v) or v < 0.0:
+        raise TableError(f"{source}: entry {what} is {v!r}, not a finite number of seconds >= 0")
+    return v
+
+
+def _fmt(v) -> str:
+    return "" if v is None else repr(float(v))
+
+
+def names_of(ops: Iterable[OpSpec]) -> List[str]:
+    return [o.name for o in ops]
+
+
+__all__ = ["CostTable", "TableError", "TABLE_FORMAT", "TABLE_VERSION", "concurrent", "COMPUTE"]

@@ -1,0 +1,517 @@
+"""The DP planner of DESIGN §1.3, at op granularity.
+
+State (i, j): the first i forward ops and the first j backward ops (in ``layer.backward``
+order, each wgrad right after its dgrad) are done.  A transition is one step: the next
+forward segment F[i:i'] alone, the next backward segment B[j:j'] alone, or both together;
+it is legal when no process group has two comm ops in it (the rule of `plan.validate`)
+and, under a memory budget, when its simulated peak stays within the budget.  Because
+steps end at barriers, a plan's time is the sum of its steps' times, so
+
+    T(i', j') = min over legal (i, j) -> (i', j') of T(i, j) + cost(F[i:i'], B[j:j'])
+
+finds the optimum exactly in O(n²m²) step evaluations.  The memory level at a step
+boundary depends only on (i, j) (forward ops allocate, backward ops free), so the budget
+is a per-transition constraint and the constrained optimum is exact too.
+
+Tie-breaking (shared with csrc/planner.cpp): states are filled for i' ascending, then j'
+ascending; the candidates of a state are scanned for i ascending, then j ascending, and
+a candidate replaces the best only when strictly cheaper.  So among equal-cost plans the
+one whose last step starts earliest (longest segments at the end) wins.
+
+Backends: ``"cpp"`` (dhelix._planner_core, built from csrc/planner.cpp), ``"python"``
+(this file, the reference) or ``"auto"`` (C++ when importable).  Both give the same plan.
+"""
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from dhelix.planner.costs import CostTable
+from dhelix.planner.opspec import COMM, LayerOps, OpSpec
+from dhelix.planner.plan import Plan, PlanError, Step, trivial_plan, validate
+from dhelix.planner.simulate import LaneModel
+
+try:  # the compiled core is optional
+    from dhelix import _planner_core as _core  # type: ignore
+except ImportError:  # pragma: no cover - depends on the build
+    _core = None
+
+INF = float("inf")
+StepCost = Callable[[List[OpSpec], List[OpSpec]], float]
+StepIdx = Tuple[int, int, int, int]      # (i, i', j, j'): F[i:i'] with B[j:j']
+
+
+def cpp_available() -> bool:
+    return _core is not None
+
+
+# ---- legality --------------------------------------------------------------------------
+
+def _group_bits(ops: Sequence[OpSpec], index: Dict[str, int]) -> List[int]:
+    bits = []
+    for o in ops:
+        if o.kind == COMM and o.group is not None:
+            if o.group not in index:
+                index[o.group] = len(index)
+            bits.append(1 << index[o.group])
+        else:
+            bits.append(0)
+    return bits
+
+
+def _segment_masks(bits: List[int]):
+    """mask[a][b]: OR of the group bits of ops a..b-1, or -1 when a group appears twice;
+    lo[b]: the smallest a such that ops a..b-1 form a legal segment."""
+    n = len(bits)
+    mask = [[0] * (n + 1) for _ in range(n + 1)]
+    for a in range(n + 1):
+        m = 0
+        for b in range(a + 1, n + 1):
+            if m != -1:
+                g = bits[b - 1]
+                m = -1 if (m & g) else (m | g)
+            mask[a][b] = m
+    lo = [0] * (n + 1)
+    for b in range(n + 1):
+        a = b
+        while a > 0 and mask[a - 1][b] != -1:
+            a -= 1
+        lo[b] = a
+    return mask, lo
+
+
+class _Legality:
+    def __init__(self, layer: LayerOps):
+        index: Dict[str, int] = {}
+        self.f_bits = _group_bits(layer.forward, index)
+        self.b_bits = _group_bits(layer.backward, index)
+        if len(index) > 62:
+            raise PlanError(f"the planner handles at most 62 process groups, this layer has "
+                            f"{len(index)}")
+        self.f_mask, self.f_lo = _segment_masks(self.f_bits)
+        self.b_mask, self.b_lo = _segment_masks(self.b_bits)
+        self.n, self.m = len(self.f_bits), len(self.b_bits)
+
+    def legal(self, i1, i2, j1, j2) -> bool:
+        fm, bm = self.f_mask[i1][i2], self.b_mask[j1][j2]
+        return fm != -1 and bm != -1 and not (fm & bm)
+
+
+# ---- the Python reference DP ---------------------------------------------------------------
+
+class _PyProblem:
+    """Mirror of the C++ `Problem`: table-based step costs and the DP over op positions."""
+
+    def __init__(self, model: LaneModel, legality: _Legality):
+        self.model = model
+        self.L = legality
+        n, m = legality.n, legality.m
+        self.n, self.m = n, m
+        self.f_pre = [0.0] * (n + 1)
+        for k in range(n):
+            self.f_pre[k + 1] = self.f_pre[k] + model.f_saved[k]
+        self.b_pre = [0.0] * (m + 1)
+        for k in range(m):
+            self.b_pre[k + 1] = self.b_pre[k] + model.b_saved[k]
+        self._memo: Dict[StepIdx, Tuple[float, float]] = {}
+
+    def level(self, i: int, j: int) -> float:
+        return (self.model.base + self.f_pre[i]) - self.b_pre[j]
+
+    def step(self, i1: int, i2: int, j1: int, j2: int) -> Tuple[float, float]:
+        key = (i1, i2, j1, j2)
+        r = self._memo.get(key)
+        if r is None:
+            t, peak, _ = self.model.step(range(i1, i2), range(j1, j2), mem0=self.level(i1, j1))
+            r = self._memo[key] = (t, peak)
+        return r
+
+    def solve(self, budget: float = INF):
+        step = self.step
+        return _dp(self.L, lambda i1, i2, j1, j2: _within(step(i1, i2, j1, j2), budget))
+
+
+def _within(tp: Tuple[float, float], budget: float) -> float:
+    return tp[0] if tp[1] <= budget else INF
+
+
+def _dp(L: _Legality, cost: Callable[[int, int, int, int], float]):
+    """The DP; returns (total, [(i, i', j, j'), ...]) or (inf, []) when (n, m) is out of
+    reach.  `cost` returns inf for a transition that is not allowed."""
+    n, m = L.n, L.m
+    f_mask, b_mask, f_lo, b_lo = L.f_mask, L.b_mask, L.f_lo, L.b_lo
+    T = [[INF] * (m + 1) for _ in range(n + 1)]
+    arg = [[(-1, -1)] * (m + 1) for _ in range(n + 1)]
+    T[0][0] = 0.0
+    for i2 in range(n + 1):
+        Ti2 = T[i2]
+        for j2 in range(m + 1):
+            if i2 == 0 and j2 == 0:
+                continue
+            best = INF
+            bi = bj = -1
+            for i1 in range(f_lo[i2], i2 + 1):
+                fm = f_mask[i1][i2]
+                Ti1 = T[i1]
+                for j1 in range(b_lo[j2], j2 + 1):
+                    if i1 == i2 and j1 == j2:
+                        continue
+                    if fm & b_mask[j1][j2]:
+                        continue
+                    prev = Ti1[j1]
+                    if prev == INF:
+                        continue
+                    v = prev + cost(i1, i2, j1, j2)
+                    if v < best:
+                        best, bi, bj = v, i1, j1
+            Ti2[j2] = best
+            arg[i2][j2] = (bi, bj)
+    if T[n][m] == INF:
+        return INF, []
+    steps: List[StepIdx] = []
+    i2, j2 = n, m
+    while i2 or j2:
+        i1, j1 = arg[i2][j2]
+        steps.append((i1, i2, j1, j2))
+        i2, j2 = i1, j1
+    steps.reverse()
+    return T[n][m], steps
+
+
+def _dense_costs(L: _Legality, cost: Callable[[int, int, int, int], float]) -> List[float]:
+    """Flat array cost[((i*(n+1)+i')*(m+1)+j)*(m+1)+j'] (inf where illegal), for the C++
+    dense DP when the step cost is a Python function."""
+    n, m = L.n, L.m
+    out = [INF] * ((n + 1) * (n + 1) * (m + 1) * (m + 1))
+    for i2 in range(n + 1):
+        for j2 in range(m + 1):
+            for i1 in range(L.f_lo[i2], i2 + 1):
+                fm = L.f_mask[i1][i2]
+                for j1 in range(L.b_lo[j2], j2 + 1):
+                    if (i1 == i2 and j1 == j2) or (fm & L.b_mask[j1][j2]):
+                        continue
+                    out[((i1 * (n + 1) + i2) * (m + 1) + j1) * (m + 1) + j2] = \
+                        float(cost(i1, i2, j1, j2))
+    return out
+
+
+def _cpp_problem(model: LaneModel, L: _Legality):
+    flat_S = [v for row in model.S for v in row]
+    return _core.Problem(model.f_lane, model.b_lane, L.f_bits, L.b_bits, model.f_T, model.b_T,
+                         model.f_saved, model.b_saved, model.f_temp, model.b_temp, flat_S,
+                         model.base)
+
+
+def _min_peak(L: _Legality, step) -> float:
+    """The lowest peak any plan reaches (bottleneck DP over the same transitions)."""
+    n, m = L.n, L.m
+    M = [[INF] * (m + 1) for _ in range(n + 1)]
+    M[0][0] = -INF
+    for i2 in range(n + 1):
+        for j2 in range(m + 1):
+            if i2 == 0 and j2 == 0:
+                continue
+            best = INF
+            for i1 in range(L.f_lo[i2], i2 + 1):
+                for j1 in range(L.b_lo[j2], j2 + 1):
+                    if (i1 == i2 and j1 == j2) or not L.legal(i1, i2, j1, j2):
+                        continue
+                    v = max(M[i1][j1], step(i1, i2, j1, j2)[1])
+                    if v < best:
+                        best = v
+            M[i2][j2] = best
+    return M[n][m]
+
+
+# ---- public API ----------------------------------------------------------------------------
+
+def make_step_cost(layer: LayerOps, table: CostTable, force: bool = False) -> StepCost:
+    """The default step cost: the simulated time of the two segments run as one step."""
+    model = LaneModel(layer, table, force=force)
+    fpos = {n: k for k, n in enumerate(model.f_names)}
+    bpos = {n: k for k, n in enumerate(model.b_names)}
+    memo: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], float] = {}
+
+    def step_cost(fwd_ops: List[OpSpec], bwd_ops: List[OpSpec]) -> float:
+        key = (tuple(fpos[o.name] for o in fwd_ops), tuple(bpos[o.name] for o in bwd_ops))
+        v = memo.get(key)
+        if v is None:
+            v = memo[key] = model.step(key[0], key[1])[0]
+        return v
+
+    return step_cost
+
+
+def plan_cost(plan: Plan, layer: LayerOps, step_cost: StepCost) -> float:
+    """Sum of ``step_cost`` over the plan's steps (in order, as the DP adds them)."""
+    fs = {o.name: o for o in layer.forward}
+    bs = {o.name: o for o in layer.backward}
+    total = 0.0
+    for s in plan.steps:
+        total = total + step_cost([fs[n] for n in s.fwd], [bs[n] for n in s.bwd])
+    return total
+
+
+def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
+         step_cost: Optional[StepCost] = None, memory_budget_bytes: Optional[float] = None,
+         base_bytes: Optional[float] = None, backend: str = "auto",
+         force: bool = False) -> Plan:
+    """The cheapest legal plan for ``layer`` (backward as a chain, wgrad after its dgrad).
+
+    Costs: ``step_cost(fwd_ops, bwd_ops)`` if given, else the simulated step time from
+    ``table``.  With ``memory_budget_bytes`` (needs ``table`` for the simulated memory),
+    only steps whose simulated peak stays within the budget are used; if no plan fits,
+    PlanError says by how much the lowest-peak plan exceeds the budget.
+    ``backend``: "auto" | "cpp" | "python".
+    """
+    if backend not in ("auto", "cpp", "python"):
+        raise ValueError(f"backend must be 'auto', 'cpp' or 'python', not {backend!r}")
+    if backend == "cpp" and _core is None:
+        raise PlanError("backend 'cpp' asked for, but dhelix._planner_core is not built "
+                        "(pip install -e . builds it from csrc/planner.cpp)")
+    use_cpp = _core is not None and backend != "python"
+    if table is None and step_cost is None:
+        raise PlanError("plan: give a cost table or a step_cost function")
+    if memory_budget_bytes is not None and table is None:
+        raise PlanError("plan: a memory budget needs a cost table (the simulator's memory "
+                        "model runs on it)")
+    t_start = time.perf_counter()
+    L = _Legality(layer)
+    F, B = list(layer.forward), list(layer.backward)
+    budget = INF if memory_budget_bytes is None else float(memory_budget_bytes)
+
+    problem = None
+    if table is not None:
+        model = LaneModel(layer, table, base_bytes=base_bytes, force=force)
+        problem = _cpp_problem(model, L) if use_cpp else _PyProblem(model, L)
+
+    if step_cost is None:
+        idx_cost = lambda i1, i2, j1, j2: problem.step(i1, i2, j1, j2)[0]
+        total, steps = problem.solve(budget)
+    else:
+        memo: Dict[StepIdx, float] = {}
+
+        def idx_cost(i1, i2, j1, j2):
+            key = (i1, i2, j1, j2)
+            v = memo.get(key)
+            if v is None:
+                v = memo[key] = float(step_cost(F[i1:i2], B[j1:j2]))
+            return v
+
+        if problem is not None and budget != INF:
+            cost = lambda i1, i2, j1, j2: (idx_cost(i1, i2, j1, j2)
+                                           if problem.step(i1, i2, j1, j2)[1] <= budget else INF)
+        else:
+            cost = idx_cost
+        if use_cpp:
+            total, steps = _core.solve_dense(L.n, L.m, _dense_costs(L, cost))
+        else:
+            total, steps = _dp(L, cost)
+
+    if total == INF:
+        if budget != INF:
+            lowest = _min_peak(L, problem.step)
+            raise PlanError(
+                f"memory budget {budget:.0f} bytes cannot be met: the lowest-peak plan peaks at "
+                f"{lowest:.0f} bytes, {lowest - budget:.0f} bytes "
+                f"({(lowest - budget) / max(budget, 1.0) * 100:.1f}%) over the budget")
+        raise PlanError("no legal plan: a single op is not a legal step (should not happen)")
+
+    out_steps = [Step([o.name for o in F[i1:i2]], [o.name for o in B[j1:j2]])
+                 for (i1, i2, j1, j2) in steps]
+    # predicted time of the trivial plan, with the same costs
+    triv = trivial_plan(layer)
+    fpos = {o.name: k for k, o in enumerate(F)}
+    bpos = {o.name: k for k, o in enumerate(B)}
+    triv_t = 0.0
+    for s in triv.steps:
+        if s.fwd:
+            i1 = fpos[s.fwd[0]]
+            triv_t = triv_t + idx_cost(i1, i1 + len(s.fwd), 0, 0)
+        else:
+            j1 = bpos[s.bwd[0]]
+            triv_t = triv_t + idx_cost(L.n, L.n, j1, j1 + len(s.bwd))
+    meta = {
+        "made_by": "dhelix.planner.dp",
+        "backend": "cpp" if use_cpp else "python",
+        "predicted_s": total,
+        "trivial_predicted_s": triv_t,
+        "speedup_vs_trivial": (triv_t / total) if total > 0 else 1.0,
+        "num_steps": len(out_steps),
+        "planning_time_s": time.perf_counter() - t_start,
+    }
+    if problem is not None:
+        peak = -INF
+        for (i1, i2, j1, j2) in steps:
+            p = problem.step(i1, i2, j1, j2)[1]
+            if p > peak:
+                peak = p
+        meta["predicted_peak_bytes"] = peak
+        meta["table_provenance"] = dict(table.provenance)
+    if memory_budget_bytes is not None:
+        meta["memory_budget_bytes"] = float(memory_budget_bytes)
+    p = Plan(layer.signature(), [o.name for o in F], [o.name for o in B], out_steps, meta)
+    validate(p, layer)
+    return p
+
+
+# ---- brute force and random plans (tests, validation runs) ---------------------------------
+
+class BruteResult:
+    def __init__(self, best_cost: float, best_plan: Optional[Plan], count: int):
+        self.best_cost, self.best_plan, self.count = best_cost, best_plan, count
+
+    def __iter__(self):               # best_cost, best_plan, count = brute_force(...)
+        return iter((self.best_cost, self.best_plan, self.count))
+
+
+def _groups_ok(ops: Sequence[OpSpec]) -> bool:
+    seen = set()
+    for o in ops:
+        if o.kind == COMM and o.group is not None:
+            if o.group in seen:
+                return False
+            seen.add(o.group)
+    return True
+
+
+def backward_orders(layer: LayerOps) -> List[List[OpSpec]]:
+    """Every order of the backward ops that `validate` allows: the non-wgrad ops in chain
+    order, each wgrad op anywhere after its dgrad.  Exponential; tiny layers only."""
+    chain = [o for o in layer.backward if not o.wgrad]
+    wg = [o for o in layer.backward if o.wgrad]
+    orders: List[List[OpSpec]] = [chain]
+    for w in wg:
+        nxt = []
+        for order in orders:
+            pos = next(k for k, o in enumerate(order) if o.name == w.after)
+            for ins in range(pos + 1, len(order) + 1):
+                nxt.append(order[:ins] + [w] + order[ins:])
+        orders = nxt
+    return orders
+
+
+def brute_force(layer: LayerOps, step_cost: StepCost, deferred_wgrad: bool = False,
+                limit: int = 5_000_000) -> BruteResult:
+    """Enumerate every legal plan (backward in ``layer.backward`` order, or with
+    ``deferred_wgrad`` every order `validate` allows) and return the cheapest, costs summed
+    step by step in plan order.  For tiny layers (tests)."""
+    F = list(layer.forward)
+    orders = backward_orders(layer) if deferred_wgrad else [list(layer.backward)]
+    best = [INF, None]
+    count = [0]
+    for B in orders:
+        n, m = len(F), len(B)
+        memo: Dict[StepIdx, float] = {}
+
+        def c(i1, i2, j1, j2):
+            k = (i1, i2, j1, j2)
+            if k not in memo:
+                memo[k] = float(step_cost(F[i1:i2], B[j1:j2]))
+            return memo[k]
+
+        def rec(i, j, acc, path):
+            if i == n and j == m:
+                count[0] += 1
+                if count[0] > limit:
+                    raise PlanError(f"brute_force: more than {limit} plans; layer too large")
+                if acc < best[0]:
+                    best[0] = acc
+                    best[1] = [Step([o.name for o in F[a:b]], [o.name for o in B[x:y]])
+                               for (a, b, x, y) in path]
+                return
+            for i2 in range(i, n + 1):
+                if not _groups_ok(F[i:i2]):
+                    break
+                for j2 in range(j, m + 1):
+                    if i2 == i and j2 == j:
+                        continue
+                    if not _groups_ok(F[i:i2] + B[j:j2]):
+                        break
+                    path.append((i, i2, j, j2))
+                    rec(i2, j2, acc + c(i, i2, j, j2), path)
+                    path.pop()
+
+        rec(0, 0, 0.0, [])
+    p = None
+    if best[1] is not None:
+        p = Plan(layer.signature(), [o.name for o in layer.forward],
+                 [o.name for o in layer.backward], best[1],
+                 {"made_by": "dhelix.planner.dp.brute_force", "predicted_s": best[0]})
+    return BruteResult(best[0], p, count[0])
+
+
+def _as_random(rng) -> random.Random:
+    if isinstance(rng, random.Random):
+        return rng
+    if rng is None or isinstance(rng, int):
+        return random.Random(rng)
+    if hasattr(rng, "integers"):          # numpy Generator
+        return random.Random(int(rng.integers(0, 2**63 - 1)))
+    raise TypeError(f"rng must be an int seed, random.Random or numpy Generator, not {type(rng)}")
+
+
+def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
+                      pair_prob: float = 0.6) -> Plan:
+    """A random legal plan: random segment cuts, random pairing, and (with probability
+    ``defer_prob``) some wgrad ops moved later than right after their dgrad."""
+    r = _as_random(rng)
+    F = list(layer.forward)
+    B = list(layer.backward)
+    if r.random() < defer_prob:
+        for w in [o for o in layer.backward if o.wgrad and o.after is not None]:
+            if r.random() < 0.5:
+                continue
+            B.remove(w)
+            pos = next(k for k, o in enumerate(B) if o.name == w.after)
+            # pos + 1 is its place right after the dgrad: go strictly later when possible
+            B.insert(r.randint(pos + 2, len(B)) if pos + 2 <= len(B) else pos + 1, w)
+    n, m = len(F), len(B)
+
+    def seg_len(ops, start, taken):
+        groups = set(taken)
+        k = start
+        while k < len(ops):
+            o = ops[k]
+            if o.kind == COMM and o.group is not None:
+                if o.group in groups:
+                    break
+                groups.add(o.group)
+            k += 1
+        return k - start
+
+    def groups_of(ops):
+        return {o.group for o in ops if o.kind == COMM and o.group is not None}
+
+    steps: List[Step] = []
+    i = j = 0
+    while i < n or j < m:
+        if i < n and j < m:
+            u = r.random()
+            action = "fb" if u < pair_prob else ("f" if u < pair_prob + (1 - pair_prob) / 2
+                                                 else "b")
+        else:
+            action = "f" if i < n else "b"
+        fseg: List[OpSpec] = []
+        bseg: List[OpSpec] = []
+        if action in ("f", "fb"):
+            k = r.randint(1, min(seg_len(F, i, ()), 1 + int(r.expovariate(0.4))))
+            fseg = F[i:i + k]
+        if action in ("b", "fb"):
+            room = seg_len(B, j, groups_of(fseg))
+            if room == 0:
+                if not fseg:
+                    room = 1          # cannot happen: one op alone is always legal
+                else:
+                    room = -1
+            if room > 0:
+                k = r.randint(1, min(room, 1 + int(r.expovariate(0.4))))
+                bseg = B[j:j + k]
+        steps.append(Step([o.name for o in fseg], [o.name for o in bseg]))
+        i += len(fseg)
+        j += len(bseg)
+    p = Plan(layer.signature(), [o.name for o in layer.forward],
+             [o.name for o in layer.backward], steps, {"made_by": "dhelix.planner.dp.random"})
+    validate(p, layer)
+    return p

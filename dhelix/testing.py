@@ -1,0 +1,96 @@
+"""Run a function on N local gloo ranks with a timeout (tests and scripts).
+
+`run_ranks(fn, n, timeout=...)` starts n processes, each with RANK/WORLD_SIZE set and
+torch.distributed initialised on gloo, calls `fn(*args)` in each and returns the list
+of results by rank. If any rank raises, the others are stopped and `RankError` carries
+the failing rank's traceback; if they do not finish within `timeout` seconds (a
+deadlock, a dead peer), all are killed and `RankTimeout` says which ranks were still
+running. Nothing is left hanging.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+
+class RankError(RuntimeError):
+    pass
+
+
+class RankTimeout(RankError):
+    pass
+
+
+def _rank_main(fn, args, kwargs, rank, world, port, env, q):
+    try:
+        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world),
+                           "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                           "DHELIX_FORCE_CPU": "1"})
+        os.environ.update(env or {})
+        import torch
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        from dhelix.cli import quiet_library_warnings
+        quiet_library_warnings()
+        from dhelix.train.dist import init_distributed
+        init_distributed(timeout_s=float(os.environ.get("DHELIX_PG_TIMEOUT", "60")))
+        result = fn(*args, **kwargs)
+        q.put((rank, "ok", result))
+    except BaseException:  # report everything, including SystemExit from argparse
+        q.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(fn: Callable, nranks: int, *args, timeout: float = 120.0,
+              env: Optional[Dict[str, str]] = None, **kwargs) -> List[Any]:
+    """Run `fn(*args, **kwargs)` on `nranks` gloo ranks; results by rank."""
+    from dhelix.train.dist import free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, kwargs, r, nranks, port, env, q),
+                         daemon=True) for r in range(nranks)]
+    for p in procs:
+        p.start()
+    results: Dict[int, Any] = {}
+    deadline = time.time() + timeout
+    try:
+        while len(results) < nranks:
+            left = deadline - time.time()
+            if left <= 0:
+                running = [r for r in range(nranks) if r not in results]
+                raise RankTimeout(f"ranks {running} did not finish within {timeout:.0f}s "
+                                  f"(deadlock or dead peer)")
+            try:
+                rank, status, payload = q.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    raise RankError(f"rank {dead[0]} died with exit code "
+                                    f"{procs[dead[0]].exitcode} before reporting")
+                continue
+            if status == "error":
+                raise RankError(f"rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(nranks)]

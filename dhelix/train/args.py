@@ -1,0 +1,58 @@
+"""`dhelix train` flags: Megatron's own names for what it shares with pretrain_gpt.py."""
+from __future__ import annotations
+
+import argparse
+
+from dhelix.train.trainer import TrainConfig
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--config", default="tiny",
+                   help="model config: a name under configs/models (tiny, small, tiny-llama, "
+                        "llama-8b, ...) or a YAML path")
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size × DP (one micro-batch per step)")
+    g.add_argument("--data", choices=["synthetic", "corpus", "indexed"], default=None,
+                   help="synthetic tokens, the generated grammar corpus (default), or "
+                        "Megatron indexed data (implied by --data-path)")
+    g.add_argument("--data-path", default=None,
+                   help="prefix of a Megatron .bin/.idx dataset (tools/preprocess_data.py "
+                        "output, or `dhelix make-corpus`)")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--data-parallel-size", type=int, default=None,
+                   help="checked against the world size; inferred when omitted")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="start N local ranks (gloo on CPU, NCCL on GPU); omit under "
+                        "torchrun or srun")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="with --nproc: stop all ranks after this many seconds")
+    g = p.add_argument_group("training")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--eval-iters", type=int, default=0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=0.0)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--json", default=None, help="write config, losses, tokens/s, peak memory")
+
+
+def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
+    data = a.data or ("indexed" if a.data_path else "corpus")
+    dh = {k[len("dhelix_"):]: v for k, v in vars(a).items() if k.startswith("dhelix_")}
+    dh["enabled"] = bool(getattr(a, "dhelix", False))
+    return TrainConfig(
+        config=a.config, tensor_model_parallel_size=a.tensor_model_parallel_size,
+        data_parallel_size=a.data_parallel_size, sequence_parallel=a.sequence_parallel,
+        micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
+        seq_length=a.seq_length, train_iters=a.train_iters, seed=a.seed, bf16=a.bf16,
+        lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, data=data,
+        data_path=a.data_path, overlap_grad_reduce=a.overlap_grad_reduce,
+        eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json, dhelix=dh)

@@ -1,0 +1,294 @@
+"""`dhelix train`: a megatron-core GPT trained on local, torchrun or Slurm ranks.
+
+The step is Megatron's: its DDP wrapper, its forward-backward schedule function (or
+DHelix's, with --dhelix), `finalize_model_grads`, then an AdamW step on fp32 master
+weights. Only the rank-0 process prints.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from dhelix.models.config import ConfigError, ModelConfig, load_model_config
+
+
+@dataclass
+class TrainConfig:
+    config: str = "tiny"
+    tensor_model_parallel_size: int = 1
+    data_parallel_size: Optional[int] = None     # inferred from the world size if None
+    sequence_parallel: bool = False
+    micro_batch_size: int = 2
+    global_batch_size: Optional[int] = None      # default: micro_batch_size * DP
+    seq_length: int = 64
+    train_iters: int = 20
+    seed: int = 1234
+    bf16: bool = False
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    clip_grad: float = 0.0
+    data: str = "corpus"                         # synthetic | corpus | indexed
+    data_path: Optional[str] = None
+    overlap_grad_reduce: bool = False
+    eval_iters: int = 0
+    log_interval: int = 1
+    json: Optional[str] = None
+    quiet: bool = False
+    dhelix: dict = field(default_factory=dict)   # --dhelix* options (schedule issue)
+
+
+@dataclass
+class Layout:
+    world: int
+    tp: int
+    dp: int
+    num_microbatches: int
+
+
+def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
+    """Validate parallel sizes against the world and the model; errors name the flag."""
+    tp = cfg.tensor_model_parallel_size
+    if tp < 1:
+        raise ConfigError("--tensor-model-parallel-size must be >= 1")
+    if cfg.data_parallel_size is not None:
+        if tp * cfg.data_parallel_size != world:
+            raise ConfigError(
+                f"world size {world} is not TP×DP = {tp}×{cfg.data_parallel_size}; launch "
+                f"{tp * cfg.data_parallel_size} ranks or change --tensor-model-parallel-size "
+                f"/ --data-parallel-size")
+    if world % tp:
+        raise ConfigError(f"world size {world} is not divisible by "
+                          f"--tensor-model-parallel-size {tp}")
+    dp = world // tp
+    if m.num_attention_heads % tp:
+        raise ConfigError(f"{m.name}: num_attention_heads ({m.num_attention_heads}) is not "
+                          f"divisible by --tensor-model-parallel-size {tp}")
+    if m.kv_groups % tp and tp % m.kv_groups:
+        raise ConfigError(f"{m.name}: num_query_groups ({m.kv_groups}) and "
+                          f"--tensor-model-parallel-size {tp} must divide one another")
+    if m.ffn_hidden_size % tp:
+        raise ConfigError(f"{m.name}: ffn_hidden_size ({m.ffn_hidden_size}) is not divisible "
+                          f"by --tensor-model-parallel-size {tp}")
+    if cfg.sequence_parallel and tp > 1 and cfg.seq_length % tp:
+        raise ConfigError(f"--seq-length {cfg.seq_length} must be divisible by "
+                          f"--tensor-model-parallel-size {tp} with --sequence-parallel")
+    if m.shapes_only:
+        raise ConfigError(f"{m.name}: this config holds a published shape for planning and "
+                          f"simulation only (shapes_only: true); train a small config such "
+                          f"as 'tiny'")
+    gbs = cfg.global_batch_size or cfg.micro_batch_size * dp
+    if gbs % (cfg.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {gbs} is not divisible by "
+                          f"--micro-batch-size × DP = {cfg.micro_batch_size}×{dp}")
+    return Layout(world, tp, dp, gbs // (cfg.micro_batch_size * dp))
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-style masked mean of per-token losses."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model):
+    """The forward_step_func megatron's schedules call."""
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out, partial(loss_func, batch["loss_mask"])
+
+
+class MasterAdamW:
+    """AdamW on fp32 master copies of the parameters, reading megatron DDP's main_grad."""
+
+    def __init__(self, params, lr, weight_decay, clip_grad):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float().clone() for p in self.params]
+        for m in self.master:
+            m.requires_grad_(True)
+        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
+        self.clip_grad = clip_grad
+
+    def step(self):
+        for p, m in zip(self.params, self.master):
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            m.grad = None if g is None else g.float()
+        if self.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad)
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                p.copy_(m)
+
+
+def setup_megatron(cfg: TrainConfig, m: ModelConfig, layout: Layout):
+    """Model-parallel groups, seeds, CPU compat; returns the TransformerConfig."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from dhelix.compat import cpu as cpu_compat
+    from dhelix.models.gpt import transformer_config
+
+    cpu_compat.apply()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp)
+    torch.manual_seed(cfg.seed)
+    model_parallel_cuda_manual_seed(cfg.seed)
+    return transformer_config(m, tp=layout.tp, sequence_parallel=cfg.sequence_parallel,
+                              bf16=cfg.bf16)
+
+
+def build_model(cfg: TrainConfig, m: ModelConfig, tconfig, device, layer_module=None):
+    """GPTModel (DHelix or megatron layer) wrapped in megatron's DDP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from dhelix.models.gpt import build_gpt
+
+    torch.manual_seed(cfg.seed)
+    model = build_gpt(m, tconfig, layer_module or TransformerLayer, cfg.seq_length).to(device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+        use_distributed_optimizer=False, bucket_size=None if not cfg.overlap_grad_reduce
+        else 40000)
+    model = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=model)
+    tconfig.no_sync_func = model.no_sync
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.grad_scale_func = None
+    return model
+
+
+def _average_across_dp(values: List[float]) -> float:
+    from megatron.core import parallel_state
+    t = torch.tensor([sum(values) / max(len(values), 1)], dtype=torch.float64)
+    dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    return t.item() / parallel_state.get_data_parallel_world_size()
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run training on the current process group; returns the result dict (all ranks)."""
+    from dhelix.train.data import make_batches
+    from dhelix.train.dist import init_distributed
+    from dhelix.train.memory import METER, peak_memory_bytes
+
+    m = load_model_config(cfg.config)
+    info = init_distributed()
+    layout = check_layout(cfg, m, info.world_size)
+    tconfig = setup_megatron(cfg, m, layout)
+    from megatron.core import parallel_state
+
+    schedule = _schedule(cfg)
+    model = build_model(cfg, m, tconfig, info.device, schedule.layer_module)
+    schedule.prepare(model, tconfig)
+    optimizer = MasterAdamW(model.parameters(), cfg.lr, cfg.weight_decay, cfg.clip_grad)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    data = make_batches(cfg.data, seq_length=cfg.seq_length,
+                        micro_batch_size=cfg.micro_batch_size,
+                        num_microbatches=layout.num_microbatches, vocab_size=m.vocab_size,
+                        seed=cfg.seed, dp_rank=dp_rank, dp_size=layout.dp,
+                        data_path=cfg.data_path)
+    data = _to_device(data, info.device)
+    rank0 = info.rank == 0 and not cfg.quiet
+    tokens_per_step = cfg.seq_length * cfg.micro_batch_size * layout.num_microbatches * layout.dp
+    if rank0:
+        print(f"dhelix train: {m.name} world={layout.world} TP={layout.tp} DP={layout.dp} "
+              f"SP={cfg.sequence_parallel} mbs={cfg.micro_batch_size} "
+              f"microbatches={layout.num_microbatches} seq={cfg.seq_length} "
+              f"{'bf16' if cfg.bf16 else 'fp32'} schedule={schedule.name} "
+              f"backend={info.backend}", flush=True)
+    losses, times = [], []
+    METER.reset_peak()
+    for it in range(cfg.train_iters):
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        with METER.autograd():
+            out = schedule.forward_backward(
+                forward_step_func=forward_step, data_iterator=data, model=model,
+                num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
+                micro_batch_size=cfg.micro_batch_size, forward_only=False)
+        optimizer.step()
+        loss = _average_across_dp([o["lm loss"].item() for o in out])
+        dt = time.perf_counter() - t0
+        losses.append(loss)
+        times.append(dt)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at iteration {it + 1}")
+        if rank0 and (it + 1) % cfg.log_interval == 0:
+            print(f" iter {it + 1:4d}/{cfg.train_iters} | loss {loss:.6f} | "
+                  f"{tokens_per_step / dt:9.0f} tokens/s | {dt * 1000:7.1f} ms", flush=True)
+    eval_loss = None
+    if cfg.eval_iters:
+        model.eval()
+        vals = []
+        with torch.no_grad():
+            for _ in range(cfg.eval_iters):
+                out = schedule.forward_backward(
+                    forward_step_func=forward_step, data_iterator=data, model=model,
+                    num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
+                    micro_batch_size=cfg.micro_batch_size, forward_only=True)
+                vals += [o["lm loss"].item() for o in out]
+        eval_loss = _average_across_dp(vals)
+        model.train()
+        if rank0:
+            print(f" eval loss {eval_loss:.6f}", flush=True)
+    steady = times[1:] if len(times) > 1 else times
+    mem = peak_memory_bytes(info.device)
+    result = {
+        "config": {**asdict(cfg), "model": asdict(m), "world_size": layout.world,
+                   "data_parallel_size": layout.dp, "num_microbatches": layout.num_microbatches,
+                   "backend": info.backend, "schedule": schedule.name},
+        "losses": losses,
+        "eval_loss": eval_loss,
+        "step_times_s": times,
+        "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
+        "peak_memory_bytes": mem["activations"],
+        "peak_rss_bytes": mem["process_rss"],
+        "memory_method": mem["method"],
+    }
+    if rank0:
+        print(f"dhelix train: done | final loss {losses[-1]:.6f} | "
+              f"{result['tokens_per_s']:.0f} tokens/s | peak activations "
+              f"{mem['activations'] / 2**20:.2f} MiB ({mem['method']})", flush=True)
+    if cfg.json and info.rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(cfg.json)), exist_ok=True)
+        with open(cfg.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _to_device(it, device):
+    for batch in it:
+        yield {k: v.to(device) for k, v in batch.items()}
+
+
+class BaselineSchedule:
+    """Megatron's own forward-backward function and layer."""
+    name = "megatron"
+    layer_module = None
+
+    def prepare(self, model, tconfig):
+        pass
+
+    def forward_backward(self, **kw):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        return get_forward_backward_func()(**kw)
+
+
+def _schedule(cfg: TrainConfig):
+    if cfg.dhelix.get("enabled"):
+        from dhelix.strand.schedule import DHelixSchedule
+        return DHelixSchedule(cfg.dhelix)
+    return BaselineSchedule()

@@ -1,0 +1,39 @@
+"""DHelix: strand interleaving for megatron-core (see README.md)."""
+import os
+
+from setuptools import find_packages, setup
+
+try:
+    from pybind11.setup_helpers import Pybind11Extension, build_ext
+    ext_modules = [Pybind11Extension("dhelix._planner_core", ["csrc/planner.cpp"],
+                                     cxx_std=17, extra_compile_args=["-O2"])]
+    cmdclass = {"build_ext": build_ext}
+except ImportError:  # no pybind11: the pure-Python planner is used
+    ext_modules, cmdclass = [], {}
+if not os.path.exists("csrc/planner.cpp"):
+    ext_modules = []
+
+setup(
+    name="dhelix",
+    version="0.1.0",
+    description="Strand interleaving for megatron-core: hide communication behind computation",
+    packages=find_packages(include=["dhelix", "dhelix.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        # Tested with 0.16.1; supported range stated in README.
+        "megatron-core>=0.15,<0.17",
+        "numpy",
+        "pyyaml",
+        "matplotlib",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis"],
+        "gpu": ["transformer-engine", "apex"],
+    },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    entry_points={"console_scripts": ["dhelix=dhelix.cli:main"]},
+    include_package_data=True,
+)

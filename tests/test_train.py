@@ -1,0 +1,122 @@
+"""Foundation: megatron-core GPT training on local gloo ranks."""
+import subprocess
+import sys
+
+import pytest
+
+from dhelix.models.config import ConfigError, load_model_config
+from dhelix.testing import RankError, RankTimeout, run_ranks
+from dhelix.train.trainer import TrainConfig, check_layout
+from train_fns import train_losses
+
+STEPS = 30
+
+
+def _falls(losses):
+    head = sum(losses[:3]) / 3
+    tail = sum(losses[-3:]) / 3
+    return tail < head - 0.3, (head, tail)
+
+
+@pytest.mark.parametrize("tp,sp,world", [(2, True, 2), (2, False, 2), (1, False, 2)],
+                         ids=["tp2-sp", "tp2", "dp2"])
+def test_loss_falls_on_corpus(tp, sp, world):
+    losses = run_ranks(train_losses, world, timeout=240, config="tiny",
+                       tensor_model_parallel_size=tp, sequence_parallel=sp,
+                       train_iters=STEPS, data="corpus", lr=3e-3)[0]
+    ok, (head, tail) = _falls(losses)
+    assert ok, f"loss did not fall: first {head:.3f} last {tail:.3f}"
+
+
+def test_tp2_matches_tp1():
+    kw = dict(config="tiny", train_iters=STEPS, data="corpus", seed=7)
+    tp1 = run_ranks(train_losses, 1, timeout=240, tensor_model_parallel_size=1, **kw)[0]
+    tp2 = run_ranks(train_losses, 2, timeout=240, tensor_model_parallel_size=2,
+                    sequence_parallel=True, **kw)[0]
+    for i, (a, b) in enumerate(zip(tp1, tp2)):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {i}: TP=1 {a} vs TP=2 {b}"
+
+
+def test_same_seed_identical():
+    kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
+              train_iters=5, seed=3)
+    a = run_ranks(train_losses, 2, timeout=180, **kw)[0]
+    b = run_ranks(train_losses, 2, timeout=180, **kw)[0]
+    c = run_ranks(train_losses, 2, timeout=180, **{**kw, "seed": 4})[0]
+    assert a == b
+    assert a != c
+
+
+def test_dp2_matches_dp1_same_global_batch():
+    kw = dict(config="tiny", train_iters=5, data="corpus", micro_batch_size=2,
+              global_batch_size=4)
+    dp1 = run_ranks(train_losses, 1, timeout=180, **kw)[0]
+    dp2 = run_ranks(train_losses, 2, timeout=180, **kw)[0]
+    for a, b in zip(dp1, dp2):
+        assert abs(a - b) <= 1e-5 * abs(a)
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+def test_unknown_config_key(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("num_layers: 2\nhidden_size: 64\nnum_attention_heads: 4\n"
+                 "ffn_hidden_size: 128\nnum_layer: 3\n")
+    with pytest.raises(ConfigError, match=r"m.yaml: unknown config key\(s\) num_layer"):
+        load_model_config(str(p))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="--config: model config file 'nope' not found"):
+        load_model_config("nope")
+
+
+def test_heads_not_divisible_by_tp():
+    m = load_model_config("tiny")   # 4 heads
+    with pytest.raises(ConfigError, match="num_attention_heads \\(4\\) is not divisible by "
+                                          "--tensor-model-parallel-size 3"):
+        check_layout(TrainConfig(tensor_model_parallel_size=3), m, 3)
+
+
+def test_world_not_divisible():
+    m = load_model_config("tiny")
+    with pytest.raises(ConfigError, match="world size 3 is not divisible"):
+        check_layout(TrainConfig(tensor_model_parallel_size=2), m, 3)
+    with pytest.raises(ConfigError, match="world size 4 is not TP×DP = 2×1"):
+        check_layout(TrainConfig(tensor_model_parallel_size=2, data_parallel_size=1), m, 4)
+
+
+def test_cli_reports_error_without_starting_ranks():
+    r = subprocess.run([sys.executable, "-m", "dhelix.cli", "train", "--nproc", "2",
+                        "--tensor-model-parallel-size", "3"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2
+    assert "world size 2 is not divisible by --tensor-model-parallel-size 3" in r.stderr
+
+
+def test_rank_failure_reports_traceback():
+    with pytest.raises(RankError, match="rank 1 failed"):
+        run_ranks(_fail_on_rank1, 2, timeout=60)
+
+
+def test_deadlock_times_out():
+    with pytest.raises(RankTimeout):
+        run_ranks(_deadlock, 2, timeout=15, env={"DHELIX_PG_TIMEOUT": "300"})
+
+
+def _fail_on_rank1():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise ValueError("boom")
+    return 0
+
+
+def _deadlock():
+    import torch
+    import torch.distributed as dist
+    import time
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))   # rank 1 never joins
+    else:
+        time.sleep(600)                   # a hung peer
+    return 0
