@@ -11,7 +11,7 @@ import pytest
 from dhelix.planner.costmodel import (ClusterError, analytical_table, comm_time, load_cluster,
                                       pair_time)
 from dhelix.planner.costs import CostTable, TableError
-from dhelix.planner.example_layer import random_layer, random_table, tp_sp_layer
+from dhelix.planner.example_layer import random_table, tp_sp_layer
 from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
 
 ROOT = Path(__file__).resolve().parents[1]

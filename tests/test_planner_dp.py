@@ -158,6 +158,9 @@ def test_realistic_layer_fast_and_better_than_trivial():
     validate(p, layer)
     assert p.meta["predicted_s"] < p.meta["trivial_predicted_s"]
     assert p.num_paired() > 0
+    import json
+    from dhelix.planner.plan import Plan
+    assert Plan.from_json(json.loads(json.dumps(p.to_json()))).steps == p.steps
     triv = simulate(layer, trivial_plan(layer), table).makespan
     assert triv == pytest.approx(p.meta["trivial_predicted_s"], rel=1e-12)
     if dp.cpp_available():

@@ -24,6 +24,7 @@ _BUFFER_MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
 )
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")

@@ -27,9 +27,9 @@ import csv
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from dhelix.planner.opspec import COMPUTE, LayerOps, OpSpec
+from dhelix.planner.opspec import LayerOps, OpSpec
 
 TABLE_FORMAT = "dhelix.table"
 TABLE_VERSION = 1
@@ -226,8 +226,4 @@ def _fmt(v) -> str:
     return "" if v is None else repr(float(v))
 
 
-def names_of(ops: Iterable[OpSpec]) -> List[str]:
-    return [o.name for o in ops]
-
-
-__all__ = ["CostTable", "TableError", "TABLE_FORMAT", "TABLE_VERSION", "concurrent", "COMPUTE"]
+__all__ = ["CostTable", "TableError", "TABLE_FORMAT", "TABLE_VERSION", "concurrent"]

@@ -452,6 +452,27 @@ def _as_random(rng) -> random.Random:
     raise TypeError(f"rng must be an int seed, random.Random or numpy Generator, not {type(rng)}")
 
 
+def _repair_order(B: List[OpSpec]) -> List[OpSpec]:
+    """Keep the order of B, but hold back each floating op until the op it must follow
+    (its `after`, which may itself be a floating op that moved) has been placed."""
+    out: List[OpSpec] = []
+    placed = set()
+    waiting: Dict[str, List[OpSpec]] = {}
+
+    def emit(o):
+        out.append(o)
+        placed.add(o.name)
+        for d in waiting.pop(o.name, []):
+            emit(d)
+
+    for o in B:
+        if o.wgrad and o.after is not None and o.after not in placed:
+            waiting.setdefault(o.after, []).append(o)
+        else:
+            emit(o)
+    return out
+
+
 def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
                       pair_prob: float = 0.6) -> Plan:
     """A random legal plan: random segment cuts, random pairing, and (with probability
@@ -467,6 +488,7 @@ def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
             pos = next(k for k, o in enumerate(B) if o.name == w.after)
             # pos + 1 is its place right after the dgrad: go strictly later when possible
             B.insert(r.randint(pos + 2, len(B)) if pos + 2 <= len(B) else pos + 1, w)
+        B = _repair_order(B)
     n, m = len(F), len(B)
 
     def seg_len(ops, start, taken):

@@ -22,7 +22,8 @@ class OpSpec:
     lane: str                      # "compute" | "intra" | "inter"
     group: Optional[str] = None    # process-group name for comm ops ("tp", "dp", ...)
     flops: float = 0.0             # compute work (FLOPs) for the cost model
-    comm_bytes: float = 0.0        # bytes each rank sends, for comm ops
+    comm_bytes: float = 0.0        # comm ops: collective buffer bytes (all-gather output,
+                                   # reduce-scatter input, all-reduce buffer)
     collective: Optional[str] = None  # "all_gather" | "reduce_scatter" | "all_reduce" | ...
     saved_bytes: float = 0.0       # activation bytes kept for backward (fwd) / freed (bwd)
     temp_bytes: float = 0.0        # transient bytes alive only while the op runs

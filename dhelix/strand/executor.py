@@ -1,0 +1,98 @@
+"""The lane executor: run the steps of a plan for two strands (DESIGN §1.2).
+
+A step holds at most one segment of each strand. Both are issued, interleaved: a strand
+runs until it has launched a comm op (whose result its next op will wait for), then the
+other strand runs; when both are issued, the step's barrier waits for every comm in
+flight. The executor does not care which way a strand runs: α's forward with β's
+backward, or two forward halves of one micro-batch (the intra-batch peer).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from dhelix.planner.opspec import COMM
+from dhelix.planner.plan import Plan
+from dhelix.strand.program import LayerProgram, Op
+from dhelix.strand.state import StrandState
+
+
+@dataclass
+class TraceEvent:
+    strand: str
+    op: str
+    lane: str
+    start: float
+    end: float
+    step: int
+    label: str = ""
+
+
+@dataclass
+class Tracer:
+    """Collects one event per op: issue time to completion time on its lane."""
+    events: List[TraceEvent] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+    label: str = ""
+    step: int = 0
+
+
+Segment = Tuple[StrandState, Sequence[Op]]
+
+
+def execute_step(a: Optional[Segment], b: Optional[Segment],
+                 tracer: Optional[Tracer] = None) -> None:
+    """Issue two segments interleaved, then wait for all their comms (the barrier)."""
+    queues = [(seg[0], list(seg[1])) for seg in (a, b) if seg is not None and seg[1]]
+    # start with the strand whose first comm comes earliest, to launch comm early
+    queues.sort(key=lambda q: next((i for i, o in enumerate(q[1]) if o.spec.kind == COMM),
+                                   len(q[1])))
+    pos = [0] * len(queues)
+    cur = 0
+    issued_comm = []
+    with torch.no_grad():
+        while any(pos[i] < len(q[1]) for i, q in enumerate(queues)):
+            if pos[cur] >= len(queues[cur][1]):
+                cur = 1 - cur
+                continue
+            S, ops = queues[cur]
+            op = ops[pos[cur]]
+            pos[cur] += 1
+            t = time.perf_counter()
+            op.run(S)
+            if op.spec.kind == COMM:
+                issued_comm.append((S, op, t, S.pending[-1] if S.pending else None))
+                if len(queues) == 2:
+                    cur = 1 - cur
+            elif tracer is not None:
+                tracer.events.append(TraceEvent(S.strand, op.name, "compute", t - tracer.t0,
+                                                time.perf_counter() - tracer.t0, tracer.step,
+                                                tracer.label))
+        # barrier
+        for S, op, t, p in issued_comm:
+            if p is not None:
+                S.lanes.resolve(p)
+            if tracer is not None:
+                tracer.events.append(TraceEvent(S.strand, op.name, op.spec.lane, t - tracer.t0,
+                                                time.perf_counter() - tracer.t0, tracer.step,
+                                                tracer.label))
+        for S, _ in queues:
+            S.barrier()
+    if tracer is not None:
+        tracer.step += 1
+
+
+def run_layer_step(plan: Plan,
+                   fwd: Optional[Tuple[LayerProgram, StrandState]] = None,
+                   bwd: Optional[Tuple[LayerProgram, StrandState]] = None,
+                   tracer: Optional[Tracer] = None) -> None:
+    """One layer step: α's forward ops of one layer and β's backward ops of one layer
+    (the same layer or another of the same shape), in the order the plan gives."""
+    for step in plan.steps:
+        a = (fwd[1], [fwd[0].fwd[n] for n in step.fwd]) if fwd and step.fwd else None
+        b = (bwd[1], [bwd[0].bwd[n] for n in step.bwd]) if bwd and step.bwd else None
+        if a or b:
+            execute_step(a, b, tracer)

@@ -1,0 +1,118 @@
+"""The lane interface (DESIGN §1.1): where ops run, and how a step's barrier waits.
+
+Ops run on three lanes: `compute`, `intra` (collectives inside a node) and `inter`
+(collectives across nodes). A comm op returns a `Pending` at once; reading it later
+(`resolve`) makes the reader wait for it; `barrier` waits for all of a step's pendings.
+Two backends share this interface:
+  - CpuLanes: compute runs in the calling thread; a comm is an async gloo work.
+  - CudaLanes: compute on the current stream; one stream per comm lane, events between.
+Everything CUDA- or gloo-specific in DHelix lives here.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from dhelix.train.dist import node_ids
+
+
+class Pending:
+    """The future result of a comm op."""
+    __slots__ = ("op", "out", "handle", "done")
+
+    def __init__(self, op: str, out: torch.Tensor, handle):
+        self.op, self.out, self.handle, self.done = op, out, handle, False
+
+
+def lane_of_group(group) -> str:
+    """'intra' if every rank of the group sits on one node, else 'inter'."""
+    ranks = dist.get_process_group_ranks(group)
+    ids = node_ids(dist.get_world_size())
+    return "intra" if len({ids[r] for r in ranks}) == 1 else "inter"
+
+
+class Lanes:
+    """Backend-neutral part: the collectives DHelix ops use."""
+
+    def all_gather(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
+        n = dist.get_world_size(group)
+        out = x.new_empty((x.shape[0] * n,) + tuple(x.shape[1:]))
+        return self._launch(op, lane, out, lambda: dist.all_gather_into_tensor(
+            out, x.contiguous(), group=group, async_op=self.async_op))
+
+    def reduce_scatter(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
+        n = dist.get_world_size(group)
+        out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+        return self._launch(op, lane, out, lambda: dist.reduce_scatter_tensor(
+            out, x.contiguous(), group=group, async_op=self.async_op))
+
+    def all_reduce(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
+        out = x.contiguous().clone() if not x.is_contiguous() else x
+        return self._launch(op, lane, out, lambda: dist.all_reduce(
+            out, group=group, async_op=self.async_op))
+
+    # backend hooks
+    async_op = True
+
+    def _launch(self, op, lane, out, fn) -> Pending:
+        raise NotImplementedError   # abstract: CpuLanes / CudaLanes
+
+    def resolve(self, p: Pending) -> torch.Tensor:
+        raise NotImplementedError   # abstract
+
+    def barrier(self, pendings: List[Pending]) -> None:
+        for p in pendings:
+            self.resolve(p)
+
+
+class CpuLanes(Lanes):
+    """gloo: a comm is an async work running on gloo's own threads."""
+    name = "cpu"
+
+    def _launch(self, op, lane, out, fn):
+        return Pending(op, out, fn())
+
+    def resolve(self, p):
+        if not p.done:
+            p.handle.wait()
+            p.done = True
+        return p.out
+
+
+class CudaLanes(Lanes):
+    """NCCL: compute on the current stream, each comm lane on a stream of its own."""
+    name = "cuda"
+    async_op = False   # the collective is enqueued on the lane stream; events order it
+
+    def __init__(self):
+        self.streams: Dict[str, torch.cuda.Stream] = {}
+
+    def _stream(self, lane):
+        if lane not in self.streams:
+            self.streams[lane] = torch.cuda.Stream(priority=-1)
+        return self.streams[lane]
+
+    def _launch(self, op, lane, out, fn):
+        compute = torch.cuda.current_stream()
+        s = self._stream(lane)
+        s.wait_stream(compute)          # the input was produced on the compute stream
+        with torch.cuda.stream(s):
+            fn()
+            ev = torch.cuda.Event()
+            ev.record(s)
+        out.record_stream(s)
+        return Pending(op, out, ev)
+
+    def resolve(self, p):
+        if not p.done:
+            torch.cuda.current_stream().wait_event(p.handle)
+            p.done = True
+        return p.out
+
+
+def make_lanes(device: Optional[torch.device] = None) -> Lanes:
+    if device is not None and device.type == "cuda":
+        return CudaLanes()
+    return CpuLanes()

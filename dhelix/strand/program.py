@@ -1,0 +1,348 @@
+"""A transformer layer as two chains of ops (DESIGN §1.1): forward and backward.
+
+Each op is a small function of a `StrandState`. Compute ops that are not GEMMs (norms,
+the attention core, activation, bias-dropout-add) build a local autograd graph on
+detached inputs in forward and differentiate it in their backward op, so their math is
+megatron's own; the linears are explicit GEMMs with the dgrad and wgrad of megatron's
+`LinearWithGradAccumulationAndAsyncCommunication`, the wgrad a separate, deferrable op;
+TP collectives are explicit comm ops on the lanes, never inside a linear.
+
+With sequence parallel the column-parallel linears keep only their local input for the
+weight gradient and gather it again in backward (`ag_*_w`), as megatron does, so
+DHelix saves no more activations than megatron.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List
+
+import torch
+
+from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
+from dhelix.strand.state import StrandState
+
+
+@dataclass
+class Op:
+    spec: OpSpec
+    run: Callable[[StrandState], None]
+
+    @property
+    def name(self):
+        return self.spec.name
+
+
+class _Passthrough(torch.nn.Module):
+    """Stands in for a linear so that megatron's SelfAttention runs only its core."""
+
+    def forward(self, x, *args, **kwargs):
+        return x, None
+
+
+def _wgrad(g: torch.Tensor, x: torch.Tensor):
+    """megatron's wgrad GEMM: grad_output and input flattened to 2-D."""
+    g = g.contiguous()
+    x = x.contiguous()
+    if g.dim() == 3:
+        g = g.view(g.shape[0] * g.shape[1], g.shape[2])
+        x = x.view(x.shape[0] * x.shape[1], x.shape[2])
+    return g, g.t().matmul(x)
+
+
+class LayerProgram:
+    """The op chains of one DHelix layer, bound to its parameters and TP group."""
+
+    def __init__(self, layer):
+        from megatron.core import parallel_state
+        from dhelix.strand.lanes import lane_of_group
+
+        self.layer = layer
+        cfg = layer.config
+        self.cfg = cfg
+        self.group = parallel_state.get_tensor_model_parallel_group()
+        self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.sp = bool(cfg.sequence_parallel) and self.tp > 1
+        self.lane = lane_of_group(self.group) if self.tp > 1 else "intra"
+        attn, mlp = layer.self_attention, layer.mlp
+        self.attn, self.mlp = attn, mlp
+        self.w_qkv = attn.linear_qkv.weight
+        self.b_qkv = None if attn.linear_qkv.skip_bias_add else attn.linear_qkv.bias
+        self.w_proj, self.b_proj = attn.linear_proj.weight, attn.linear_proj.bias
+        self.w_fc1 = mlp.linear_fc1.weight
+        self.b_fc1 = mlp.linear_fc1.bias    # skip_bias_add: added by the activation op
+        self.w_fc2, self.b_fc2 = mlp.linear_fc2.weight, mlp.linear_fc2.bias
+        if not attn.linear_proj.skip_bias_add or not mlp.linear_fc1.skip_bias_add or \
+                not mlp.linear_fc2.skip_bias_add:
+            raise ValueError("DHelix layer expects megatron's skip_bias_add linears "
+                             "(linear_proj, linear_fc1, linear_fc2)")
+        self.params: List[torch.nn.Parameter] = [p for p in layer.parameters()]
+        self.forward_ops, self.backward_ops = self._build()
+        self.fwd: Dict[str, Op] = {o.name: o for o in self.forward_ops}
+        self.bwd: Dict[str, Op] = {o.name: o for o in self.backward_ops}
+
+    # ---- the chains ----------------------------------------------------------------------
+    def _build(self):
+        sp, tp = self.sp, self.tp
+        C = lambda name, fn, **kw: Op(OpSpec(name, COMPUTE, "compute", **kw), fn)  # noqa
+        M = lambda name, fn, coll, **kw: Op(OpSpec(name, COMM, self.lane, group="tp",  # noqa
+                                                   collective=coll, **kw), fn)
+        f: List[Op] = [C("ln_attn", self._ln_attn)]
+        if sp:
+            f.append(M("ag_attn", self._gather("ln1", "ln1_full", "ag_attn"), "all_gather"))
+        f += [C("qkv", self._qkv), C("attn", self._attn), C("proj", self._proj)]
+        if sp:
+            f.append(M("rs_attn", self._rscatter("proj_out", "attn_out", "rs_attn"),
+                       "reduce_scatter"))
+        elif tp > 1:
+            f.append(M("ar_attn", self._allreduce("proj_out", "attn_out", "ar_attn"),
+                       "all_reduce"))
+        f += [C("bda_attn", self._bda_attn), C("ln_mlp", self._ln_mlp)]
+        if sp:
+            f.append(M("ag_mlp", self._gather("ln2", "ln2_full", "ag_mlp"), "all_gather"))
+        f += [C("fc1", self._fc1), C("act", self._act), C("fc2", self._fc2)]
+        if sp:
+            f.append(M("rs_mlp", self._rscatter("fc2_out", "mlp_out", "rs_mlp"),
+                       "reduce_scatter"))
+        elif tp > 1:
+            f.append(M("ar_mlp", self._allreduce("fc2_out", "mlp_out", "ar_mlp"),
+                       "all_reduce"))
+        f.append(C("bda_mlp", self._bda_mlp))
+
+        W = lambda name, fn, after: Op(OpSpec(name, COMPUTE, "compute", wgrad=True,  # noqa
+                                              after=after), fn)
+        b: List[Op] = [C("bda_mlp_b", self._bda_mlp_b)]
+        if sp:
+            b.append(M("ag_mlp_b", self._gather("g_mlp_out", "g_fc2_out", "ag_mlp_b"),
+                       "all_gather"))
+        b += [C("fc2_dgrad", self._fc2_dgrad), W("fc2_wgrad", self._fc2_wgrad, "fc2_dgrad"),
+              C("act_b", self._act_b), C("fc1_dgrad", self._fc1_dgrad)]
+        b += self._col_wgrad("mlp", "ln2", "fc1_dgrad", "fc1_wgrad", self._fc1_wgrad)
+        if sp:
+            b.append(M("rs_mlp_b", self._rscatter("g_ln2_full", "g_ln2", "rs_mlp_b"),
+                       "reduce_scatter"))
+        elif tp > 1:
+            b.append(M("ar_mlp_b", self._allreduce("g_ln2_full", "g_ln2", "ar_mlp_b"),
+                       "all_reduce"))
+        b += [C("ln_mlp_b", self._ln_mlp_b), C("bda_attn_b", self._bda_attn_b)]
+        if sp:
+            b.append(M("ag_attn_b", self._gather("g_attn_out", "g_proj_out", "ag_attn_b"),
+                       "all_gather"))
+        b += [C("proj_dgrad", self._proj_dgrad),
+              W("proj_wgrad", self._proj_wgrad, "proj_dgrad"),
+              C("attn_b", self._attn_b), C("qkv_dgrad", self._qkv_dgrad)]
+        b += self._col_wgrad("attn", "ln1", "qkv_dgrad", "qkv_wgrad", self._qkv_wgrad)
+        if sp:
+            b.append(M("rs_attn_b", self._rscatter("g_ln1_full", "g_ln1", "rs_attn_b"),
+                       "reduce_scatter"))
+        elif tp > 1:
+            b.append(M("ar_attn_b", self._allreduce("g_ln1_full", "g_ln1", "ar_attn_b"),
+                       "all_reduce"))
+        b.append(C("ln_attn_b", self._ln_attn_b))
+        return f, b
+
+    def _col_wgrad(self, part, key, dgrad, name, fn):
+        """A column-parallel linear's wgrad, preceded under SP by the re-gather of its
+        input; both may float to any later point of the layer's backward."""
+        if not self.sp:
+            return [Op(OpSpec(name, COMPUTE, "compute", wgrad=True, after=dgrad), fn)]
+        ag = f"ag_{part}_w"
+        return [Op(OpSpec(ag, COMM, self.lane, group="tp", collective="all_gather",
+                          wgrad=True, after=dgrad), self._gather(key, key + "_w", ag)),
+                Op(OpSpec(name, COMPUTE, "compute", wgrad=True, after=ag), fn)]
+
+    # ---- comm ops ------------------------------------------------------------------------
+    def _gather(self, src, dst, op):
+        def run(S):
+            S.put(dst, S.lanes.all_gather(op, S.get(src), self.group, self.lane))
+        return run
+
+    def _rscatter(self, src, dst, op):
+        def run(S):
+            S.put(dst, S.lanes.reduce_scatter(op, S.get(src), self.group, self.lane))
+            S.drop(src)
+        return run
+
+    def _allreduce(self, src, dst, op):
+        def run(S):
+            S.put(dst, S.lanes.all_reduce(op, S.get(src), self.group, self.lane))
+            S.drop(src)
+        return run
+
+    # ---- forward compute -------------------------------------------------------------------
+    def _local(self, S, key_in, key_graph, fn, extra=()):
+        """Run fn on a detached copy of S[key_in] with autograd, keep the local graph."""
+        x = S.get(key_in).detach().requires_grad_()
+        with torch.enable_grad():
+            y = fn(x)
+        S.put(key_graph, (x, y))
+        return y.detach()
+
+    def _ln_attn(self, S):
+        S.put("ln1", self._local(S, "x", "g:ln1", self.layer.input_layernorm))
+
+    def _qkv(self, S):
+        x = S.get("ln1_full" if self.sp else "ln1")
+        out = torch.matmul(x, self.w_qkv.t())
+        if self.b_qkv is not None:
+            out = out + self.b_qkv
+        S.put("qkv", out)
+        S.drop("ln1_full")
+
+    def _attn_core(self, qkv):
+        attn = self.attn
+        saved = attn.linear_qkv, attn.linear_proj
+        attn.linear_qkv, attn.linear_proj = _Passthrough(), _Passthrough()
+        try:
+            out, _ = attn(qkv, attention_mask=self._meta["attention_mask"],
+                          rotary_pos_emb=self._meta["rotary_pos_emb"])
+        finally:
+            attn.linear_qkv, attn.linear_proj = saved
+        return out
+
+    def _attn(self, S):
+        self._meta = S.meta
+        S.put("core", self._local(S, "qkv", "g:attn", self._attn_core))
+        S.drop("qkv")
+
+    def _proj(self, S):
+        S.put("proj_out" if self.tp > 1 else "attn_out",
+              torch.matmul(S.get("core"), self.w_proj.t()))
+
+    def _bda(self, S, key_x, key_res, bias, bda, key_graph):
+        x = S.get(key_x).detach().requires_grad_()
+        r = S.get(key_res).detach().requires_grad_()
+        layer = self.layer
+        with torch.enable_grad():
+            y = bda(layer.training, self.cfg.bias_dropout_fusion)((x, bias), r,
+                                                                   layer.hidden_dropout)
+        S.put(key_graph, (x, r, y))
+        S.drop(key_x)
+        return y.detach()
+
+    def _bda_attn(self, S):
+        S.put("h1", self._bda(S, "attn_out", "x", self.b_proj, self.layer.self_attn_bda,
+                              "g:bda1"))
+
+    def _ln_mlp(self, S):
+        S.put("ln2", self._local(S, "h1", "g:ln2", self.layer.pre_mlp_layernorm))
+
+    def _fc1(self, S):
+        S.put("fc1_out", torch.matmul(S.get("ln2_full" if self.sp else "ln2"),
+                                      self.w_fc1.t()))
+        S.drop("ln2_full")
+
+    def _activation(self, x):
+        """megatron MLP's unfused bias + activation (incl. gated linear units)."""
+        cfg = self.cfg
+        if self.b_fc1 is not None:
+            x = x + self.b_fc1
+        if cfg.gated_linear_unit:
+            x_glu, x_lin = torch.chunk(x, 2, dim=-1)
+            val = getattr(cfg, "activation_func_clamp_value", None)
+            if val is not None:
+                x_glu = x_glu.clamp(min=None, max=val)
+                x_lin = x_lin.clamp(min=-val, max=val)
+            return cfg.activation_func(x_glu) * (x_lin + getattr(cfg, "glu_linear_offset", 0.0))
+        return self.mlp.activation_func(x)
+
+    def _act(self, S):
+        S.put("act", self._local(S, "fc1_out", "g:act", self._activation))
+        S.drop("fc1_out")
+
+    def _fc2(self, S):
+        S.put("fc2_out" if self.tp > 1 else "mlp_out",
+              torch.matmul(S.get("act"), self.w_fc2.t()))
+
+    def _bda_mlp(self, S):
+        S.put("out", self._bda(S, "mlp_out", "h1", self.b_fc2, self.layer.mlp_bda, "g:bda2"))
+
+    # ---- backward compute ------------------------------------------------------------------
+    def _grad(self, S, key_graph, g, inputs_extra):
+        graph = S.get(key_graph)
+        *ins, y = graph
+        params = [p for p in inputs_extra if p is not None]
+        grads = torch.autograd.grad(y, list(ins) + params, g)
+        for p, gp in zip(params, grads[len(ins):]):
+            S.acc_grad(p, gp)
+        S.drop(key_graph)
+        return grads[:len(ins)]
+
+    def _bda_mlp_b(self, S):
+        gx, gr = self._grad(S, "g:bda2", S.get("g_out"), [self.b_fc2])
+        S.put("g_mlp_out", gx)
+        S.put("g_h1_res", gr)
+        S.drop("g_out")
+
+    def _fc2_dgrad(self, S):
+        g = S.get("g_fc2_out" if self.sp else "g_mlp_out")
+        S.put("g_act", g.matmul(self.w_fc2))
+
+    def _fc2_wgrad(self, S):
+        _, gw = _wgrad(S.get("g_fc2_out" if self.sp else "g_mlp_out"), S.get("act"))
+        S.acc_grad(self.w_fc2, gw)
+        S.drop("act", "g_fc2_out", "g_mlp_out")
+
+    def _act_b(self, S):
+        (g,) = self._grad(S, "g:act", S.get("g_act"), [self.b_fc1])
+        S.put("g_fc1_out", g)
+        S.drop("g_act")
+
+    def _fc1_dgrad(self, S):
+        S.put("g_ln2_full", S.get("g_fc1_out").matmul(self.w_fc1))
+
+    def _fc1_wgrad(self, S):
+        _, gw = _wgrad(S.get("g_fc1_out"), S.get("ln2_w" if self.sp else "ln2"))
+        S.acc_grad(self.w_fc1, gw)
+        S.drop("g_fc1_out", "ln2_w", "ln2")
+
+    def _ln_mlp_b(self, S):
+        (g,) = self._grad(S, "g:ln2", S.get("g_ln2" if self.tp > 1 else "g_ln2_full"),
+                          [self.layer.pre_mlp_layernorm.weight,
+                           getattr(self.layer.pre_mlp_layernorm, "bias", None)])
+        S.put("g_h1", g + S.get("g_h1_res"))
+        S.drop("g_ln2", "g_ln2_full", "g_h1_res")
+
+    def _bda_attn_b(self, S):
+        gx, gr = self._grad(S, "g:bda1", S.get("g_h1"), [self.b_proj])
+        S.put("g_attn_out", gx)
+        S.put("g_x_res", gr)
+        S.drop("g_h1")
+
+    def _proj_dgrad(self, S):
+        g = S.get("g_proj_out" if self.sp else "g_attn_out")
+        S.put("g_core", g.matmul(self.w_proj))
+
+    def _proj_wgrad(self, S):
+        _, gw = _wgrad(S.get("g_proj_out" if self.sp else "g_attn_out"), S.get("core"))
+        S.acc_grad(self.w_proj, gw)
+        S.drop("core", "g_proj_out", "g_attn_out")
+
+    def _attn_b(self, S):
+        (g,) = self._grad(S, "g:attn", S.get("g_core"), [])
+        S.put("g_qkv", g)
+        S.drop("g_core")
+
+    def _qkv_dgrad(self, S):
+        S.put("g_ln1_full", S.get("g_qkv").matmul(self.w_qkv))
+
+    def _qkv_wgrad(self, S):
+        g2, gw = _wgrad(S.get("g_qkv"), S.get("ln1_w" if self.sp else "ln1"))
+        S.acc_grad(self.w_qkv, gw)
+        if self.b_qkv is not None:
+            S.acc_grad(self.b_qkv, g2.sum(dim=0))
+        S.drop("g_qkv", "ln1_w", "ln1")
+
+    def _ln_attn_b(self, S):
+        (g,) = self._grad(S, "g:ln1", S.get("g_ln1" if self.tp > 1 else "g_ln1_full"),
+                          [self.layer.input_layernorm.weight,
+                           getattr(self.layer.input_layernorm, "bias", None)])
+        S.put("g_x", g + S.get("g_x_res"))
+        S.drop("g_ln1", "g_ln1_full", "g_x_res", "x")
+
+    # ---- plain-data view ----------------------------------------------------------------------
+    def layer_ops(self, seq_length: int, micro_batch_size: int) -> LayerOps:
+        """OpSpecs with FLOP/byte estimates for this layer at a given input shape; the
+        signature ties plans and tables to the shape, dtype and parallel sizes."""
+        from dhelix.planner.shapes import estimate_layer_ops
+        return estimate_layer_ops(self.forward_ops, self.backward_ops, self.cfg, self.tp,
+                                  self.sp, seq_length, micro_batch_size)

@@ -1,0 +1,118 @@
+"""Per-rank bodies of the strand-layer tests: a DHelix layer against megatron's own."""
+import torch
+
+from dhelix.models.config import load_model_config
+
+
+def setup_layer(config="tiny", tp=2, sp=True, seed=11, seq=16, mbs=2, bf16=False):
+    """Build megatron's TransformerLayer and the DHelix layer with identical weights."""
+    from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from dhelix.compat import cpu as cpu_compat
+    from dhelix.models.gpt import transformer_config
+    from dhelix.models.spec import layer_spec
+    from dhelix.strand.layer import DHelixLayer
+
+    cpu_compat.apply()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(seed)
+    m = load_model_config(config)
+    cfg = transformer_config(m, tp=tp, sequence_parallel=sp, bf16=bf16)
+    torch.manual_seed(seed)
+    ref = build_module(layer_spec(TransformerLayer), config=cfg, layer_number=1)
+    torch.manual_seed(seed + 1)
+    dh = build_module(layer_spec(DHelixLayer), config=cfg, layer_number=1)
+    dh.load_state_dict(ref.state_dict())
+    rope = None
+    if m.position_embedding_type == "rope":
+        rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0,
+                               use_cpu_initialization=True)(seq)
+    return ref, dh, cfg, rope
+
+
+def inputs(cfg, seq, mbs, seed, sp):
+    """Same full tensors on every rank; each rank takes its sequence shard under SP."""
+    from megatron.core import parallel_state
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(seq, mbs, cfg.hidden_size, generator=g, dtype=torch.float32)
+    full = full.to(cfg.params_dtype)
+    if sp:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        r = parallel_state.get_tensor_model_parallel_rank()
+        full = full.chunk(tp, dim=0)[r].contiguous()
+    return full
+
+
+def reference(ref, x_a, x_b, g_b, rope):
+    out_a, _ = ref(x_a, attention_mask=None, rotary_pos_emb=rope)
+    xb = x_b.clone().requires_grad_()
+    out_b, _ = ref(xb, attention_mask=None, rotary_pos_emb=rope)
+    out_b.backward(g_b)
+    grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    return out_a.detach(), xb.grad.clone(), grads
+
+
+def dhelix_step(dh, plan, x_a, x_b, g_b, rope, seq, mbs):
+    """β: forward alone, then α's forward paired with β's backward by `plan`."""
+    from dhelix.planner.plan import trivial_plan
+    from dhelix.strand.executor import run_layer_step
+    from dhelix.strand.lanes import make_lanes
+    from dhelix.strand.state import StrandState
+
+    prog = dh.program
+    lanes = make_lanes()
+    meta = {"attention_mask": None, "rotary_pos_emb": rope}
+    Sa, Sb = StrandState(lanes, "α"), StrandState(lanes, "β")
+    Sa.meta, Sb.meta = meta, meta
+    Sb.put("x", x_b)
+    run_layer_step(trivial_plan(prog.layer_ops(seq, mbs)), fwd=(prog, Sb))
+    Sb.put("g_out", g_b)
+    Sa.put("x", x_a)
+    run_layer_step(plan, fwd=(prog, Sa), bwd=(prog, Sb))
+    names = {id(p): n for n, p in dh.named_parameters()}
+    grads = {names[k]: v for k, v in Sb.grads.items()}
+    return Sa.get("out"), Sb.get("g_x"), grads
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5):
+    """Returns worst relative error vs megatron and whether all plans are bit-identical
+    to the trivial plan."""
+    from dhelix.planner.dp import random_legal_plan
+    from dhelix.planner.plan import paired_plan, trivial_plan
+    import random
+
+    ref, dh, cfg, rope = setup_layer(config, tp, sp, seed, seq, mbs)
+    x_a = inputs(cfg, seq, mbs, seed + 1, sp)
+    x_b = inputs(cfg, seq, mbs, seed + 2, sp)
+    g_b = inputs(cfg, seq, mbs, seed + 3, sp)
+    r_out, r_gx, r_grads = reference(ref, x_a, x_b, g_b, rope)
+    ops = dh.program.layer_ops(seq, mbs)
+    rng = random.Random(seed)
+    plans = [trivial_plan(ops), paired_plan(ops)] + [random_legal_plan(ops, rng)
+                                                   for _ in range(nplans)]
+    worst = 0.0
+    base = None
+    identical = True
+    for plan in plans:
+        out, gx, grads = dhelix_step(dh, plan, x_a, x_b, g_b, rope, seq, mbs)
+        errs = [rel(out, r_out), rel(gx, r_gx)] + [rel(grads[n], r_grads[n]) for n in r_grads]
+        worst = max(worst, max(errs))
+        flat = [out, gx] + [grads[n] for n in sorted(grads)]
+        if base is None:
+            base = flat
+        else:
+            identical &= all(torch.equal(a, b) for a, b in zip(flat, base))
+    missing = sorted(set(r_grads) - set(grads))
+    return {"worst_rel": worst, "identical": identical, "nplans": len(plans),
+            "missing_grads": missing, "num_ops": (len(ops.forward), len(ops.backward))}
