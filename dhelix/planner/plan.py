@@ -221,3 +221,22 @@ def paired_plan(layer: LayerOps) -> Plan:
             steps.append(Step(f[i], b[j])); i += 1; j += 1
     steps += [Step(fwd=s) for s in f[i:]] + [Step(bwd=s) for s in b[j:]]
     return _plan(layer, steps, "paired")
+
+
+def check_same_plan_across_ranks(plan: Plan, source: str = "<plan>", group=None) -> None:
+    """Every rank must execute the identical plan (DESIGN §1.2): compare digests once,
+    at start-up, and fail on every rank with the ranks that differ — never a hang."""
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    digests = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, (plan.digest(), source), group=group)
+    mine = plan.digest()
+    if len({d for d, _ in digests}) > 1:
+        by = {}
+        for r, (d, src) in enumerate(digests):
+            by.setdefault(d, []).append(f"{r}({src})")
+        detail = "; ".join(f"plan {d}: ranks {', '.join(rs)}" for d, rs in by.items())
+        raise PlanError(f"{source}: rule 'same-plan-on-all-ranks': ranks hold different plans "
+                        f"({detail}); this rank holds {mine}. Give every rank the same "
+                        f"--dhelix-plan file")

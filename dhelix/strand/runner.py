@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from dhelix.planner.plan import Plan, trivial_plan, validate
+from dhelix.planner.plan import Plan, check_same_plan_across_ranks, trivial_plan, validate
 from dhelix.strand.executor import Tracer, run_layer_step
 from dhelix.strand.lanes import Lanes, make_lanes
 from dhelix.strand.state import StrandState
@@ -30,6 +30,7 @@ class PlanBook:
         if sig not in self._by_sig:
             plan = self.plan if self.plan is not None else self.make_plan(ops)
             validate(plan, ops, self.source)
+            check_same_plan_across_ranks(plan, self.source)
             self._by_sig[sig] = plan
         return self._by_sig[sig]
 

@@ -1,0 +1,131 @@
+"""Strand interleaving core: the DHelix layer against megatron-core's TransformerLayer."""
+import json
+
+import pytest
+
+from dhelix.planner.example_layer import tp_sp_layer
+from dhelix.planner.plan import (Plan, PlanError, Step, paired_plan, trivial_plan,
+                                 validate)
+from dhelix.testing import RankError, run_ranks
+import layer_fns
+
+CONFIGS = [("tiny", True), ("tiny", False), ("tiny-llama", True), ("tiny-llama", False)]
+IDS = ["gelu-mha-tp2-sp", "gelu-mha-tp2", "swiglu-gqa-rope-tp2-sp", "swiglu-gqa-rope-tp2"]
+
+
+@pytest.mark.parametrize("config,sp", CONFIGS, ids=IDS)
+def test_random_plans_match_megatron(config, sp):
+    r = run_ranks(layer_fns.check_plans, 2, timeout=300, config=config, tp=2, sp=sp,
+                  nplans=50)
+    for res in r:
+        assert res["nplans"] == 52
+        assert res["missing_grads"] == []
+        assert res["worst_rel"] <= 1e-6, res
+        assert res["identical"], "a plan changed the numbers: plans must only reorder"
+
+
+def test_tp1_matches_megatron():
+    res = run_ranks(layer_fns.check_plans, 1, timeout=200, config="tiny-llama", tp=1,
+                    sp=False, nplans=20)[0]
+    assert res["worst_rel"] <= 1e-6 and res["identical"]
+
+
+@pytest.mark.parametrize("config,sp", [("tiny", True), ("tiny-llama", False)])
+def test_autograd_path_matches_megatron(config, sp):
+    errs = run_ranks(layer_fns.check_autograd_path, 2, timeout=200, config=config, sp=sp)[0]
+    assert max(errs.values()) <= 1e-6, errs
+
+
+def test_state_dict_moves_both_ways():
+    r = run_ranks(layer_fns.state_dict_roundtrip, 2, timeout=200)[0]
+    assert r == {"same": True, "keys_equal": True, "sharded_keys_equal": True,
+                 "nkeys": r["nkeys"]} and r["nkeys"] > 8
+
+
+def test_ranks_with_different_plans_fail_clearly():
+    with pytest.raises(RankError, match="same-plan-on-all-ranks"):
+        run_ranks(layer_fns.different_plans_on_ranks, 2, timeout=120)
+
+
+# ---- the validator ---------------------------------------------------------------------------
+
+LAYER = tp_sp_layer(hidden=64, ffn=256, seq=16, batch=2, heads=4, tp=2, dtype_bytes=4)
+
+
+def _plan(steps):
+    return Plan(LAYER.signature(), [o.name for o in LAYER.forward],
+                [o.name for o in LAYER.backward], steps)
+
+
+def test_builtin_plans_are_legal():
+    validate(trivial_plan(LAYER), LAYER)
+    p = paired_plan(LAYER)
+    validate(p, LAYER)
+    assert p.num_paired() > 0
+
+
+def test_wrong_order_rejected():
+    f = [o.name for o in LAYER.forward]
+    b = [o.name for o in LAYER.backward]
+    steps = [Step(fwd=[f[1]]), Step(fwd=[f[0]])] + [Step(fwd=[n]) for n in f[2:]] + \
+        [Step(bwd=[n]) for n in b]
+    with pytest.raises(PlanError, match=r"step 0: rule 'chain-order': forward op 'ag_attn' "
+                                        r"comes before 'ln_attn'"):
+        validate(_plan(steps), LAYER, "p.json")
+
+
+def test_two_comms_one_group_rejected():
+    f = [o.name for o in LAYER.forward]
+    b = [o.name for o in LAYER.backward]
+    # α's ag_attn with β's first backward segment, which holds ag_mlp_b (both on 'tp')
+    steps = [Step(fwd=["ln_attn"]), Step(fwd=["ag_attn"], bwd=["bda_mlp_b", "ag_mlp_b"])]
+    with pytest.raises(PlanError, match=r"step 1: rule 'one-comm-per-group': 'ag_attn' and "
+                                        r"'ag_mlp_b' both communicate on group 'tp'"):
+        validate(_plan(steps + [Step(fwd=[n]) for n in f[2:]] +
+                       [Step(bwd=[n]) for n in b[2:]]), LAYER)
+
+
+def test_missing_and_repeated_ops_rejected():
+    t = trivial_plan(LAYER)
+    missing = Plan(t.signature, t.forward, t.backward, t.steps[:-1])
+    with pytest.raises(PlanError, match=r"rule 'each-op-once': ops missing from the plan: "
+                                        r".*ln_attn_b"):
+        validate(missing, LAYER)
+    rep = Plan(t.signature, t.forward, t.backward, t.steps + [Step(fwd=["qkv"])])
+    with pytest.raises(PlanError, match=r"step \d+: rule 'each-op-once': fwd op 'qkv' "
+                                        r"repeated"):
+        validate(rep, LAYER)
+
+
+def test_wgrad_before_dgrad_rejected():
+    b = [o.name for o in LAYER.backward]
+    i = b.index("fc2_wgrad")
+    b[i - 1], b[i] = b[i], b[i - 1]
+    steps = [Step(fwd=[o.name]) for o in LAYER.forward] + [Step(bwd=[n]) for n in b]
+    with pytest.raises(PlanError, match=r"rule 'wgrad-after-dgrad': 'fc2_wgrad' runs before "
+                                        r"its dgrad 'fc2_dgrad'"):
+        validate(_plan(steps), LAYER)
+
+
+def test_plan_for_another_shape_rejected():
+    other = tp_sp_layer(hidden=128, ffn=256, seq=16, batch=2, heads=4, tp=2, dtype_bytes=4)
+    with pytest.raises(PlanError, match=r"other.json: rule 'layer-shape'.*re-run "
+                                        r"`dhelix plan`"):
+        validate(trivial_plan(other), LAYER, "other.json")
+
+
+def test_plan_file_roundtrip_and_corruption(tmp_path):
+    p = paired_plan(LAYER)
+    path = tmp_path / "plan.json"
+    p.save(str(path))
+    q = Plan.load(str(path))
+    assert q.digest() == p.digest()
+    validate(q, LAYER)
+    path.write_text(path.read_text()[:40])
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(str(path))
+    path.write_text(json.dumps({"format": "dhelix.plan", "version": 99}))
+    with pytest.raises(PlanError, match="field 'version' is 99"):
+        Plan.load(str(path))
+    with pytest.raises(PlanError, match="plan file not found"):
+        Plan.load(str(tmp_path / "none.json"))
