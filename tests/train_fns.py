@@ -10,3 +10,15 @@ def train_losses(**kw):
 def train_result(**kw):
     kw.setdefault("quiet", True)
     return train(TrainConfig(**kw))
+
+
+def write_plan_for(path, config):
+    """Write the paired plan of `config`'s layer (TP=2, SP, seq 64, mbs 2) to `path`."""
+    from dhelix.planner.plan import paired_plan
+    import layer_fns
+    _, dh, _, _ = layer_fns.setup_layer(config, 2, True, 1, 64, 2)
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        paired_plan(dh.program.layer_ops(64, 2)).save(path)
+    dist.barrier()
+    return path

@@ -41,6 +41,24 @@ class use_runner:
         _local.runner = self.prev
 
 
+_bwd = {"runner": None}
+
+
+class set_backward_runner:
+    """Context: layer backwards go to `runner` whatever thread autograd runs them on
+    (on GPU the autograd engine uses its own device threads)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __enter__(self):
+        self.prev = _bwd["runner"]
+        _bwd["runner"] = self.runner
+
+    def __exit__(self, *exc):
+        _bwd["runner"] = self.prev
+
+
 class DHelixLayer(TransformerLayer):
     """Drop-in for megatron-core's TransformerLayer (local spec)."""
 
@@ -84,8 +102,9 @@ class _StrandLayerFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         S = ctx.S
+        S.counting = False
         S.put("g_out", g.contiguous())
-        ctx.runner.backward(ctx.layer, S)
+        (_bwd["runner"] or ctx.runner).backward(ctx.layer, S)
         gx = S.get("g_x")
         grads = [S.grads.get(id(p)) for p in ctx.layer.program.params]
         S.clear()

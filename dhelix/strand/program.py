@@ -20,6 +20,7 @@ import torch
 
 from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
 from dhelix.strand.state import StrandState
+from dhelix.train.memory import METER
 
 
 @dataclass
@@ -37,6 +38,26 @@ class _Passthrough(torch.nn.Module):
 
     def forward(self, x, *args, **kwargs):
         return x, None
+
+
+def _traced(fn, x, owned=()):
+    """Build fn's local autograd graph. Saved tensors are counted by the activation
+    meter, as for megatron's layer. An `owned` input that no op saved is only needed
+    for its identity in backward: its storage is freed now (megatron's own graph never
+    keeps such a tensor either), so DHelix keeps no extra activations."""
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return (t, METER.hold(t))
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[0]):
+        y = fn(x)
+    for t in owned:
+        st = t.untyped_storage()
+        if st.data_ptr() not in saved and st.data_ptr() != y.untyped_storage().data_ptr():
+            st.resize_(0)
+    return y
 
 
 def _wgrad(g: torch.Tensor, x: torch.Tensor):
@@ -169,11 +190,10 @@ class LayerProgram:
         return run
 
     # ---- forward compute -------------------------------------------------------------------
-    def _local(self, S, key_in, key_graph, fn, extra=()):
+    def _local(self, S, key_in, key_graph, fn, owned=False):
         """Run fn on a detached copy of S[key_in] with autograd, keep the local graph."""
         x = S.get(key_in).detach().requires_grad_()
-        with torch.enable_grad():
-            y = fn(x)
+        y = _traced(fn, x, owned=(x,) if owned else ())
         S.put(key_graph, (x, y))
         return y.detach()
 
@@ -201,7 +221,7 @@ class LayerProgram:
 
     def _attn(self, S):
         self._meta = S.meta
-        S.put("core", self._local(S, "qkv", "g:attn", self._attn_core))
+        S.put("core", self._local(S, "qkv", "g:attn", self._attn_core, owned=True))
         S.drop("qkv")
 
     def _proj(self, S):
@@ -212,9 +232,8 @@ class LayerProgram:
         x = S.get(key_x).detach().requires_grad_()
         r = S.get(key_res).detach().requires_grad_()
         layer = self.layer
-        with torch.enable_grad():
-            y = bda(layer.training, self.cfg.bias_dropout_fusion)((x, bias), r,
-                                                                   layer.hidden_dropout)
+        y = _traced(lambda x_: bda(layer.training, self.cfg.bias_dropout_fusion)(
+            (x_, bias), r, layer.hidden_dropout), x, owned=(x,))
         S.put(key_graph, (x, r, y))
         S.drop(key_x)
         return y.detach()
@@ -246,7 +265,7 @@ class LayerProgram:
         return self.mlp.activation_func(x)
 
     def _act(self, S):
-        S.put("act", self._local(S, "fc1_out", "g:act", self._activation))
+        S.put("act", self._local(S, "fc1_out", "g:act", self._activation, owned=True))
         S.drop("fc1_out")
 
     def _fc2(self, S):

@@ -23,6 +23,9 @@ class StrandState:
         self.pending: List[Pending] = []
         self.grads: Dict[int, torch.Tensor] = {}   # id(param) -> grad
         self.meta: Dict[str, Any] = {}             # attention mask, rotary embeddings
+        # Only what the forward keeps for the backward counts as activation memory, as
+        # autograd's saved tensors do for megatron's layer; backward temporaries do not.
+        self.counting = True
 
     def put(self, key: str, value) -> None:
         self.drop(key)
@@ -62,6 +65,8 @@ class StrandState:
         self.grads[k] = g if k not in self.grads else self.grads[k] + g
 
     def _hold(self, key, value):
+        if not self.counting:
+            return
         items = value if isinstance(value, (tuple, list)) else (value,)
         toks = [METER.hold(t) for t in items if isinstance(t, torch.Tensor)]
         self._tokens[key] = [t for t in toks if t is not None]

@@ -193,6 +193,8 @@ def train(cfg: TrainConfig) -> dict:
     schedule = _schedule(cfg)
     model = build_model(cfg, m, tconfig, info.device, schedule.layer_module)
     schedule.prepare(model, tconfig)
+    if hasattr(schedule, "check"):
+        schedule.check(model, cfg.seq_length, cfg.micro_batch_size)
     optimizer = MasterAdamW(model.parameters(), cfg.lr, cfg.weight_decay, cfg.clip_grad)
     dp_rank = parallel_state.get_data_parallel_rank()
     data = make_batches(cfg.data, seq_length=cfg.seq_length,

@@ -1,0 +1,1 @@
+"""Megatron-LM integration: `--dhelix*` arguments, the layer spec, the install hook."""

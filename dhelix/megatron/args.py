@@ -1,0 +1,62 @@
+"""`--dhelix*` arguments, as a Megatron-LM `extra_args_provider`."""
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("DHelix", "strand interleaving (dhelix)")
+    g.add_argument("--dhelix", action="store_true",
+                   help="co-execute two micro-batches (F(k+1) ∥ B(k)) with the DHelix layer")
+    g.add_argument("--dhelix-plan", default=None, metavar="PATH",
+                   help="layer plan JSON (`dhelix plan` output); default: the planner's "
+                        "plan from a table/cluster, else a built-in paired plan")
+    g.add_argument("--dhelix-overlap-table", default=None, metavar="PATH",
+                   help="pairwise overlap table (`dhelix profile` output) to plan from")
+    g.add_argument("--dhelix-cluster", default=None, metavar="YAML",
+                   help="cluster file (configs/clusters/*.yaml) for the analytical model")
+    g.add_argument("--dhelix-memory-budget", type=float, default=None, metavar="BYTES",
+                   help="reject plans whose simulated peak memory exceeds this")
+    g.add_argument("--dhelix-fold", action="store_true",
+                   help="U-shaped layer folding for pipeline parallelism")
+    g.add_argument("--dhelix-trace", default=None, metavar="PATH",
+                   help="write a Chrome-trace JSON of every op on its lane")
+    g.add_argument("--dhelix-force", action="store_true",
+                   help="use a table made for another shape or cluster anyway")
+    return parser
+
+
+class DHelixArgError(ValueError):
+    pass
+
+
+def check_dhelix_args(args) -> None:
+    """Stop before training on bad --dhelix* values (files named, fixes given)."""
+    if not getattr(args, "dhelix", False):
+        for name in ("dhelix_plan", "dhelix_overlap_table", "dhelix_trace"):
+            if getattr(args, name, None):
+                raise DHelixArgError(f"--{name.replace('_', '-')} needs --dhelix")
+        return
+    for name, what in (("dhelix_plan", "plan"), ("dhelix_overlap_table", "overlap table"),
+                       ("dhelix_cluster", "cluster file")):
+        path = getattr(args, name, None)
+        if path and not os.path.exists(path):
+            raise DHelixArgError(f"--{name.replace('_', '-')} {path}: {what} file not found")
+    if getattr(args, "dhelix_plan", None):
+        from dhelix.planner.plan import Plan
+        Plan.load(args.dhelix_plan)          # raises PlanError naming the field
+    budget = getattr(args, "dhelix_memory_budget", None)
+    if budget is not None and budget <= 0:
+        raise DHelixArgError(f"--dhelix-memory-budget {budget}: must be a positive byte count")
+    if getattr(args, "dhelix_fold", False) and \
+            getattr(args, "pipeline_model_parallel_size", 1) in (None, 1):
+        raise DHelixArgError("--dhelix-fold folds layers across pipeline stages: it needs "
+                             "--pipeline-model-parallel-size > 1")
+    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
+        raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 needs the "
+                             "folded pipeline schedule, which this version does not have; "
+                             "use --pipeline-model-parallel-size 1")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        raise DHelixArgError("--dhelix runs megatron-core's local layer modules: add "
+                             "--transformer-impl local")

@@ -1,0 +1,245 @@
+"""The co-executing 1F1B schedule without pipeline parallelism (DESIGN §1.6).
+
+    F(1);  [F(k+1) ∥ B(k)] for k = 1..N-1;  B(N)
+
+Each micro-batch's forward and backward are megatron's own `forward_step` and
+`backward_step` (embedding, loss, DDP hooks unchanged), each run as a *strand*: a
+coroutine on a thread of its own. Whenever a strand reaches a DHelix layer it parks with
+a request ("run my forward of layer i" / "my backward of layer j") and the scheduler,
+holding one request from each strand, runs both as one layer step by the plan — α's
+layer i beside β's layer L−i+1 — then resumes the strands, α first. Only one thread
+runs at a time, in the same order on every rank, so collectives never interleave
+differently across ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from dhelix.strand.executor import Tracer, run_layer_step
+from dhelix.strand.lanes import Lanes, make_lanes
+from dhelix.strand.layer import DHelixLayer, set_backward_runner, use_runner
+from dhelix.strand.runner import PlanBook
+from dhelix.strand.state import StrandState
+from dhelix.train.memory import METER
+
+
+@dataclass
+class Request:
+    kind: str          # "fwd" | "bwd"
+    layer: Any
+    S: StrandState
+
+
+class Strand:
+    """A function run as a coroutine: it parks at each layer request."""
+
+    def __init__(self, name: str, fn: Callable[[], Any], lanes: Lanes, timeout: float):
+        self.name, self.fn, self.lanes, self.timeout = name, fn, lanes, timeout
+        self.cv = threading.Condition()
+        self.turn = "scheduler"
+        self.request: Optional[Request] = None
+        self.done = False
+        self.result = None
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._main, name=f"strand-{name}", daemon=True)
+        self.thread.start()
+
+    # -- strand side ----------------------------------------------------------------------
+    def _main(self):
+        self._wait_for("strand")
+        try:
+            with use_runner(self), METER.autograd():
+                self.result = self.fn()
+        except BaseException as e:   # handed to the scheduler, re-raised there
+            self.error = e
+        self.done = True
+        self._hand_to("scheduler")
+
+    def new_state(self, layer) -> StrandState:
+        return StrandState(self.lanes, self.name)
+
+    def forward(self, layer, S):
+        self._park(Request("fwd", layer, S))
+
+    def backward(self, layer, S):
+        self._park(Request("bwd", layer, S))
+
+    def _park(self, req: Request):
+        self.request = req
+        self._hand_to("scheduler")
+        self._wait_for("strand")
+
+    # -- scheduler side ---------------------------------------------------------------------
+    def resume(self):
+        """Let the strand run until it parks again or finishes."""
+        if self.done:
+            return
+        self.request = None
+        self._hand_to("strand")
+        self._wait_for("scheduler")
+        if self.error is not None:
+            raise self.error
+
+    # -- hand-off ----------------------------------------------------------------------------
+    def _hand_to(self, who):
+        with self.cv:
+            self.turn = who
+            self.cv.notify_all()
+
+    def _wait_for(self, who):
+        with self.cv:
+            if not self.cv.wait_for(lambda: self.turn == who, timeout=self.timeout):
+                raise TimeoutError(f"strand {self.name}: no hand-off within {self.timeout}s")
+
+
+class CoExecutor:
+    """Runs one or two strands to completion, pairing their layer requests."""
+
+    def __init__(self, plans: PlanBook, lanes: Lanes, tracer: Optional[Tracer] = None,
+                 timeout: float = 600.0):
+        self.plans, self.lanes, self.tracer, self.timeout = plans, lanes, tracer, timeout
+
+    def run(self, alpha: Optional[Callable] = None, beta: Optional[Callable] = None):
+        a = Strand("α", alpha, self.lanes, self.timeout) if alpha else None
+        b = Strand("β", beta, self.lanes, self.timeout) if beta else None
+        with set_backward_runner(b):
+            for s in (a, b):
+                if s is not None:
+                    s.resume()
+            while True:
+                ra = a.request if a is not None and not a.done else None
+                rb = b.request if b is not None and not b.done else None
+                if ra is None and rb is None:
+                    break
+                self._step(ra, rb)
+                for s, r in ((a, ra), (b, rb)):
+                    if r is not None:
+                        s.resume()
+        return (a.result if a else None), (b.result if b else None)
+
+    def _step(self, ra: Optional[Request], rb: Optional[Request]):
+        """One layer step: each request is a forward or a backward; a forward is paired
+        with a backward by the plan; two of a kind (not produced by 1F1B) run in turn."""
+        reqs = [r for r in (ra, rb) if r is not None]
+        fwd = [r for r in reqs if r.kind == "fwd"]
+        bwd = [r for r in reqs if r.kind == "bwd"]
+        if len(fwd) <= 1 and len(bwd) <= 1:
+            f = fwd[0] if fwd else None
+            b = bwd[0] if bwd else None
+            plan = self.plans.for_layer((f or b).layer)
+            run_layer_step(plan, fwd=(f.layer.program, f.S) if f else None,
+                           bwd=(b.layer.program, b.S) if b else None, tracer=self.tracer)
+            return
+        for r in reqs:
+            plan = self.plans.for_layer(r.layer)
+            run_layer_step(plan, **{r.kind: (r.layer.program, r.S)}, tracer=self.tracer)
+
+
+class DHelixSchedule:
+    """A forward-backward function with megatron-core's signature (and the trainer's
+    schedule interface): F(1); [F(k+1) ∥ B(k)]; B(N)."""
+    name = "dhelix"
+    layer_module = DHelixLayer
+
+    def __init__(self, options: dict):
+        self.options = options
+        self.plans: Optional[PlanBook] = None
+        self.lanes: Optional[Lanes] = None
+        self.tracer: Optional[Tracer] = Tracer() if options.get("trace") else None
+
+    def prepare(self, model, tconfig):
+        self.device = next(model.parameters()).device
+        self.lanes = make_lanes(self.device)
+
+    def check(self, model, seq_length, micro_batch_size):
+        """Validate the plan against every DHelix layer now, before the first step."""
+        book = self.plan_book(seq_length, micro_batch_size)
+        layers = [m for m in model.modules() if isinstance(m, DHelixLayer)]
+        for layer in layers:
+            book.for_layer(layer)
+        return book
+
+    def plan_book(self, seq_length, micro_batch_size) -> PlanBook:
+        if self.plans is None or (self.plans.seq_length, self.plans.micro_batch_size) != \
+                (seq_length, micro_batch_size):
+            from dhelix.megatron.plans import plan_book_from_options
+            self.plans = plan_book_from_options(self.options, seq_length, micro_batch_size)
+        return self.plans
+
+    def forward_backward(self, **kw):
+        return forward_backward_dhelix(schedule=self, **kw)
+
+
+def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_microbatches,
+                            seq_length, micro_batch_size, decoder_seq_length=None,
+                            forward_only=False, collect_non_loss_data=False,
+                            first_val_step=None, schedule: Optional[DHelixSchedule] = None,
+                            **unused):
+    """megatron-core's forward-backward signature; PP = 1."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import schedules as ms
+    from megatron.core.utils import get_model_config, get_model_type
+
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("DHelix without pipeline parallelism takes one model chunk")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    if forward_only:
+        # evaluation: nothing to pair; megatron's own schedule, layers run plainly
+        return ms.forward_backward_no_pipelining(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, forward_only=True,
+            collect_non_loss_data=collect_non_loss_data)
+    schedule = schedule or _default_schedule()
+    if schedule.lanes is None:
+        schedule.prepare(model, None)
+    config = get_model_config(model)
+    model_type = get_model_type(model)
+    plans = schedule.plan_book(seq_length, micro_batch_size)
+    co = CoExecutor(plans, schedule.lanes, schedule.tracer)
+    no_sync = config.no_sync_func or contextlib.nullcontext
+    store = []
+    cp_size = parallel_state.get_context_parallel_world_size()
+    total_tokens = torch.zeros([], dtype=torch.int)
+    outputs = {}
+
+    def F(k):
+        def run():
+            out, ntok = ms.forward_step(
+                forward_step_func, data_iterator, model, num_microbatches, None, store,
+                config, cp_size, collect_non_loss_data,
+                is_first_microbatch=ms.check_first_val_step(first_val_step, False, k == 0),
+                current_microbatch=k)
+            outputs[k] = out
+            return ntok
+        return run
+
+    def B(k):
+        def run():
+            ms.backward_step(None, outputs.pop(k), None, model_type, config)
+        return run
+
+    N = num_microbatches
+    with no_sync():
+        ntok, _ = co.run(alpha=F(0))
+        total_tokens += ntok.to(total_tokens.device) if torch.is_tensor(ntok) else ntok
+        for k in range(N - 1):
+            ntok, _ = co.run(alpha=F(k + 1), beta=B(k))
+            total_tokens += ntok.to(total_tokens.device) if torch.is_tensor(ntok) else ntok
+    co.run(beta=B(N - 1))      # outside no_sync: gradients are reduced here
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(
+            [model], total_tokens if config.calculate_per_token_loss else None)
+    return store
+
+
+def _default_schedule():
+    return DHelixSchedule({"enabled": True})
