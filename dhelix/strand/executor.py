@@ -36,8 +36,12 @@ class Tracer:
     """Collects one event per op: issue time to completion time on its lane."""
     events: List[TraceEvent] = field(default_factory=list)
     t0: float = field(default_factory=time.perf_counter)
-    label: str = ""
     step: int = 0
+
+    def reset(self):
+        self.events.clear()
+        self.t0 = time.perf_counter()
+        self.step = 0
 
 
 Segment = Tuple[StrandState, Sequence[Op]]
@@ -70,7 +74,7 @@ def execute_step(a: Optional[Segment], b: Optional[Segment],
             elif tracer is not None:
                 tracer.events.append(TraceEvent(S.strand, op.name, "compute", t - tracer.t0,
                                                 time.perf_counter() - tracer.t0, tracer.step,
-                                                tracer.label))
+                                                S.label))
         # barrier
         for S, op, t, p in issued_comm:
             if p is not None:
@@ -78,7 +82,7 @@ def execute_step(a: Optional[Segment], b: Optional[Segment],
             if tracer is not None:
                 tracer.events.append(TraceEvent(S.strand, op.name, op.spec.lane, t - tracer.t0,
                                                 time.perf_counter() - tracer.t0, tracer.step,
-                                                tracer.label))
+                                                S.label))
         for S, _ in queues:
             S.barrier()
     if tracer is not None:

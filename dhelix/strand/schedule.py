@@ -38,8 +38,10 @@ class Request:
 class Strand:
     """A function run as a coroutine: it parks at each layer request."""
 
-    def __init__(self, name: str, fn: Callable[[], Any], lanes: Lanes, timeout: float):
+    def __init__(self, name: str, fn: Callable[[], Any], lanes: Lanes, timeout: float,
+                 label: str = ""):
         self.name, self.fn, self.lanes, self.timeout = name, fn, lanes, timeout
+        self.label = label
         self.cv = threading.Condition()
         self.turn = "scheduler"
         self.request: Optional[Request] = None
@@ -61,12 +63,13 @@ class Strand:
         self._hand_to("scheduler")
 
     def new_state(self, layer) -> StrandState:
-        return StrandState(self.lanes, self.name)
+        return StrandState(self.lanes, self.name, self.label)
 
     def forward(self, layer, S):
         self._park(Request("fwd", layer, S))
 
     def backward(self, layer, S):
+        S.strand, S.label = self.name, self.label   # S was made by the forward's strand
         self._park(Request("bwd", layer, S))
 
     def _park(self, req: Request):
@@ -104,9 +107,10 @@ class CoExecutor:
                  timeout: float = 600.0):
         self.plans, self.lanes, self.tracer, self.timeout = plans, lanes, tracer, timeout
 
-    def run(self, alpha: Optional[Callable] = None, beta: Optional[Callable] = None):
-        a = Strand("α", alpha, self.lanes, self.timeout) if alpha else None
-        b = Strand("β", beta, self.lanes, self.timeout) if beta else None
+    def run(self, alpha: Optional[Callable] = None, beta: Optional[Callable] = None,
+            labels=("", "")):
+        a = Strand("α", alpha, self.lanes, self.timeout, labels[0]) if alpha else None
+        b = Strand("β", beta, self.lanes, self.timeout, labels[1]) if beta else None
         with set_backward_runner(b):
             for s in (a, b):
                 if s is not None:
@@ -174,6 +178,13 @@ class DHelixSchedule:
     def forward_backward(self, **kw):
         return forward_backward_dhelix(schedule=self, **kw)
 
+    def finish(self, rank: int = 0):
+        """Write the last iteration's trace (Chrome JSON + PNG) if --dhelix-trace."""
+        path = self.options.get("trace")
+        if path and self.tracer is not None and self.tracer.events:
+            from dhelix.strand.trace import write_trace
+            return write_trace(self.tracer.events, path, rank)
+
 
 def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_microbatches,
                             seq_length, micro_batch_size, decoder_seq_length=None,
@@ -229,12 +240,14 @@ def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_micr
 
     N = num_microbatches
     with no_sync():
-        ntok, _ = co.run(alpha=F(0))
+        if schedule.tracer is not None:
+            schedule.tracer.reset()       # keep the last iteration's trace
+        ntok, _ = co.run(alpha=F(0), labels=("F1", ""))
         total_tokens += ntok.to(total_tokens.device) if torch.is_tensor(ntok) else ntok
         for k in range(N - 1):
-            ntok, _ = co.run(alpha=F(k + 1), beta=B(k))
+            ntok, _ = co.run(alpha=F(k + 1), beta=B(k), labels=(f"F{k + 2}", f"B{k + 1}"))
             total_tokens += ntok.to(total_tokens.device) if torch.is_tensor(ntok) else ntok
-    co.run(beta=B(N - 1))      # outside no_sync: gradients are reduced here
+    co.run(beta=B(N - 1), labels=("", f"B{N}"))      # outside no_sync: gradients are reduced here
     if config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], total_tokens if config.calculate_per_token_loss else None)

@@ -15,9 +15,10 @@ from dhelix.train.memory import METER
 
 
 class StrandState:
-    def __init__(self, lanes: Lanes, strand: str = "α"):
+    def __init__(self, lanes: Lanes, strand: str = "α", label: str = ""):
         self.lanes = lanes
         self.strand = strand
+        self.label = label            # e.g. the micro-batch, for traces
         self._v: Dict[str, Any] = {}
         self._tokens: Dict[str, list] = {}
         self.pending: List[Pending] = []

@@ -246,6 +246,10 @@ def train(cfg: TrainConfig) -> dict:
         model.train()
         if rank0:
             print(f" eval loss {eval_loss:.6f}", flush=True)
+    if hasattr(schedule, "finish"):
+        written = schedule.finish(info.rank)
+        if written and rank0:
+            print(f"dhelix train: trace of the last iteration: {', '.join(written)}")
     steady = times[1:] if len(times) > 1 else times
     mem = peak_memory_bytes(info.device)
     result = {

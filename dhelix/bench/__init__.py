@@ -1,0 +1,1 @@
+"""Emulated-cluster benchmarking: slowed links and side-by-side runs."""

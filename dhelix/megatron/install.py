@@ -1,0 +1,61 @@
+"""The install hook: with `--dhelix`, swap the layer spec and the forward-backward
+function of an unmodified Megatron-LM / megatron-core; without it, change nothing."""
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Optional
+
+from dhelix.megatron.args import check_dhelix_args
+
+_ORIGINAL = {}
+
+
+def dhelix_options(args) -> dict:
+    opts = {k[len("dhelix_"):]: v for k, v in vars(args).items() if k.startswith("dhelix_")}
+    opts["enabled"] = bool(getattr(args, "dhelix", False))
+    return opts
+
+
+def install(args) -> bool:
+    """Apply the hooks if `args.dhelix`; returns whether anything was installed."""
+    check_dhelix_args(args)
+    if not getattr(args, "dhelix", False):
+        return False
+    from megatron.core import pipeline_parallel
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.pipeline_parallel import schedules
+
+    from dhelix.megatron.spec import with_dhelix_layer
+    from dhelix.strand.schedule import DHelixSchedule, forward_backward_dhelix
+
+    schedule = DHelixSchedule(dhelix_options(args))
+
+    def get_forward_backward_func(*a, **k):
+        return functools.partial(forward_backward_dhelix, schedule=schedule)
+
+    targets = [pipeline_parallel, schedules]
+    training = sys.modules.get("megatron.training.training")
+    if training is not None:
+        targets.append(training)
+    for mod in targets:
+        if hasattr(mod, "get_forward_backward_func"):
+            _ORIGINAL.setdefault((mod.__name__, "get_forward_backward_func"),
+                                 mod.get_forward_backward_func)
+            mod.get_forward_backward_func = get_forward_backward_func
+    orig_local = _ORIGINAL.setdefault((gpt_layer_specs.__name__, "get_gpt_layer_local_spec"),
+                                      gpt_layer_specs.get_gpt_layer_local_spec)
+
+    @functools.wraps(orig_local)
+    def local_spec(*a, **k):
+        return with_dhelix_layer(orig_local(*a, **k))
+    gpt_layer_specs.get_gpt_layer_local_spec = local_spec
+    return True
+
+
+def uninstall() -> None:
+    for (modname, attr), fn in _ORIGINAL.items():
+        mod = sys.modules.get(modname)
+        if mod is not None:
+            setattr(mod, attr, fn)
+    _ORIGINAL.clear()

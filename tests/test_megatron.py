@@ -1,0 +1,50 @@
+"""Megatron-LM integration: spec forms and the install hook on unmodified megatron-core."""
+import argparse
+import functools
+
+from dhelix.megatron.args import add_dhelix_args
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_dhelix_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_spec_object_and_callable():
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from dhelix.megatron.spec import dhelix_layer_spec, get_dhelix_layer_spec
+    from dhelix.strand.layer import DHelixLayer
+    assert isinstance(dhelix_layer_spec, ModuleSpec) and dhelix_layer_spec.module is DHelixLayer
+    spec = get_dhelix_layer_spec(argparse.Namespace(normalization="RMSNorm"))
+    assert spec.module is DHelixLayer
+
+
+def test_with_dhelix_layer_keeps_megatron_submodules():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from dhelix.megatron.spec import with_dhelix_layer
+    from dhelix.strand.layer import DHelixLayer
+    orig = get_gpt_layer_local_spec()
+    swapped = with_dhelix_layer(orig)
+    assert swapped.module is DHelixLayer
+    assert swapped.submodules is orig.submodules
+
+
+def test_install_hook_swaps_only_with_flag():
+    from megatron.core import pipeline_parallel
+    from megatron.core.models.gpt import gpt_layer_specs
+    from dhelix.megatron.install import install, uninstall
+    from dhelix.strand.layer import DHelixLayer
+    from dhelix.strand.schedule import forward_backward_dhelix
+    before = pipeline_parallel.get_forward_backward_func
+    assert install(_args()) is False
+    assert pipeline_parallel.get_forward_backward_func is before
+    try:
+        assert install(_args("--dhelix")) is True
+        fb = pipeline_parallel.get_forward_backward_func()
+        assert isinstance(fb, functools.partial) and fb.func is forward_backward_dhelix
+        assert gpt_layer_specs.get_gpt_layer_local_spec().module is DHelixLayer
+    finally:
+        uninstall()
+    assert pipeline_parallel.get_forward_backward_func is before
+    assert gpt_layer_specs.get_gpt_layer_local_spec().module is not DHelixLayer
