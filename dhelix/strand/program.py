@@ -19,6 +19,7 @@ from typing import Callable, Dict, List
 import torch
 
 from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
+from dhelix.planner.shapes import estimate_layer_ops
 from dhelix.strand.state import StrandState
 from dhelix.train.memory import METER
 
@@ -362,6 +363,20 @@ class LayerProgram:
     def layer_ops(self, seq_length: int, micro_batch_size: int) -> LayerOps:
         """OpSpecs with FLOP/byte estimates for this layer at a given input shape; the
         signature ties plans and tables to the shape, dtype and parallel sizes."""
-        from dhelix.planner.shapes import estimate_layer_ops
         return estimate_layer_ops(self.forward_ops, self.backward_ops, self.cfg, self.tp,
                                   self.sp, seq_length, micro_batch_size)
+
+
+def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length: int,
+                        micro_batch_size: int, bf16: bool = False,
+                        lane: str = "intra") -> LayerOps:
+    """The same LayerOps a live DHelix layer of this shape reports, without building it
+    or any process group: for planning and simulating models and clusters you do not
+    have (`dhelix plan --config llama-8b --cluster configs/clusters/h100.yaml`)."""
+    from dhelix.models.gpt import transformer_config
+    cfg = transformer_config(model_cfg, tp=tp, sequence_parallel=sequence_parallel, bf16=bf16)
+    prog = LayerProgram.__new__(LayerProgram)      # chains only: no layer, no group
+    prog.cfg, prog.tp, prog.group, prog.lane = cfg, tp, None, lane
+    prog.sp = bool(sequence_parallel) and tp > 1
+    fwd, bwd = prog._build()
+    return estimate_layer_ops(fwd, bwd, cfg, tp, prog.sp, seq_length, micro_batch_size)

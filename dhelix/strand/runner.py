@@ -23,8 +23,12 @@ class PlanBook:
         self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
         self.plan, self.make_plan, self.source = plan, make_plan, source
         self._by_sig = {}
+        self._by_layer = {}
 
     def for_layer(self, layer) -> Plan:
+        plan = self._by_layer.get(id(layer))
+        if plan is not None:
+            return plan
         ops = layer.program.layer_ops(self.seq_length, self.micro_batch_size)
         sig = ops.signature()
         if sig not in self._by_sig:
@@ -32,6 +36,7 @@ class PlanBook:
             validate(plan, ops, self.source)
             check_same_plan_across_ranks(plan, self.source)
             self._by_sig[sig] = plan
+        self._by_layer[id(layer)] = self._by_sig[sig]
         return self._by_sig[sig]
 
 
