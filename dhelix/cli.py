@@ -7,19 +7,48 @@ import sys
 from typing import List, Optional
 
 
-def _strip_nproc(argv: List[str]) -> List[str]:
+LAUNCH_FLAGS = ("--nproc", "--timeout", "--link")
+
+
+def _strip_launch(argv: List[str]) -> List[str]:
+    """The command line each rank gets: without the flags that start ranks."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--nproc", "--timeout"):
+        if a in LAUNCH_FLAGS:
             skip = True
             continue
-        if a.startswith("--nproc=") or a.startswith("--timeout="):
+        if any(a.startswith(f + "=") for f in LAUNCH_FLAGS):
             continue
         out.append(a)
     return out
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("launch")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="start N local ranks (gloo on CPU, NCCL on GPU); omit under "
+                        "torchrun or srun")
+    g.add_argument("--timeout", type=float, default=None,
+                   help="with --nproc: stop all ranks after this many seconds")
+    g.add_argument("--link", default="none", metavar="RATE",
+                   help="with --nproc: run the ranks in a network namespace whose loopback "
+                        "is limited to RATE (e.g. 2gbit; root): an emulated slow cluster")
+
+
+def spawn(a, argv) -> int:
+    """Start `a.nproc` local ranks running this same command (behind --link if given)."""
+    from dhelix.bench.netns import NetnsError, SlowLink
+    from dhelix.train.dist import spawn_local
+    try:
+        with SlowLink(a.link) as prefix:
+            return spawn_local(a.nproc, _strip_launch(argv), timeout_s=a.timeout,
+                               prefix=prefix, extra_env={"DHELIX_LINK": a.link})
+    except NetnsError as e:
+        print(f"dhelix: error: --link: {e}", file=sys.stderr)
+        return 2
 
 
 def cmd_train(a, argv) -> int:
@@ -35,11 +64,18 @@ def cmd_train(a, argv) -> int:
         except ConfigError as e:
             print(f"dhelix train: error: {e}", file=sys.stderr)
             return 2
-        from dhelix.train.dist import spawn_local
-        return spawn_local(a.nproc, _strip_nproc(argv), timeout_s=a.timeout)
+        try:
+            from dhelix.megatron.args import check_dhelix_args
+            check_dhelix_args(a)
+        except ValueError as e:
+            print(f"dhelix train: error: {e}", file=sys.stderr)
+            return 2
+        return spawn(a, argv)
     try:
+        from dhelix.megatron.args import check_dhelix_args
+        check_dhelix_args(a)
         train(cfg)
-    except ConfigError as e:
+    except ValueError as e:   # ConfigError, PlanError, TableError, DHelixArgError
         print(f"dhelix train: error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -6,13 +6,25 @@ import argparse
 from dhelix.train.trainer import TrainConfig
 
 
-def add_train_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and data")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The layer shape and parallel sizes (shared by train, profile, validate-model)."""
+    g = p.add_argument_group("model and parallelism")
     g.add_argument("--config", default="tiny",
                    help="model config: a name under configs/models (tiny, small, tiny-llama, "
                         "llama-8b, ...) or a YAML path")
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    from dhelix.cli import add_launch_args
+    add_model_args(p)
+    add_launch_args(p)
+    g = p.add_argument_group("data")
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro-batch-size × DP (one micro-batch per step)")
     g.add_argument("--data", choices=["synthetic", "corpus", "indexed"], default=None,
@@ -22,21 +34,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="prefix of a Megatron .bin/.idx dataset (tools/preprocess_data.py "
                         "output, or `dhelix make-corpus`)")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="checked against the world size; inferred when omitted")
-    g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--nproc", type=int, default=None,
-                   help="start N local ranks (gloo on CPU, NCCL on GPU); omit under "
-                        "torchrun or srun")
-    g.add_argument("--timeout", type=float, default=None,
-                   help="with --nproc: stop all ranks after this many seconds")
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--eval-iters", type=int, default=0)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip-grad", type=float, default=0.0)

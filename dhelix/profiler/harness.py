@@ -1,0 +1,133 @@
+"""One DHelix layer on the real ranks, ready to time ops, pairs and whole plans.
+
+Shared by `dhelix profile` (op and pair times), `dhelix validate-model` (plans) and
+scripts/measure_layer_step.py. Every rank runs the same calls in the same order.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dhelix.models.config import ModelConfig
+from dhelix.planner.plan import Plan, trivial_plan
+from dhelix.strand.executor import execute_step, run_layer_step
+from dhelix.strand.lanes import make_lanes
+from dhelix.strand.state import StrandState
+
+
+class LayerHarness:
+    def __init__(self, m: ModelConfig, tp: int, sp: bool, seq: int, mbs: int,
+                 bf16: bool = False, seed: int = 1234, device: Optional[torch.device] = None):
+        from megatron.core import parallel_state
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.spec_utils import build_module
+
+        from dhelix.compat import cpu as cpu_compat
+        from dhelix.megatron.spec import get_dhelix_layer_spec
+        from dhelix.models.gpt import transformer_config
+
+        cpu_compat.apply()
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        self.device = device or torch.device("cpu")
+        self.cfg = transformer_config(m, tp=tp, sequence_parallel=sp, bf16=bf16)
+        self.layer = build_module(get_dhelix_layer_spec(), config=self.cfg,
+                                  layer_number=1).to(self.device)
+        self.program = self.layer.program
+        self.ops = self.program.layer_ops(seq, mbs)
+        self.seq, self.mbs, self.tp, self.sp = seq, mbs, tp, sp and tp > 1
+        rope = None
+        if m.position_embedding_type == "rope":
+            rope = RotaryEmbedding(kv_channels=self.cfg.kv_channels, rotary_percent=1.0,
+                                   use_cpu_initialization=True)(seq).to(self.device)
+        self.meta = {"attention_mask": None, "rotary_pos_emb": rope}
+        s_local = seq // tp if self.sp else seq
+        g = torch.Generator().manual_seed(seed)
+        shape = (s_local, mbs, m.hidden_size)
+        self.x = torch.randn(shape, generator=g).to(self.cfg.params_dtype).to(self.device)
+        self.g = torch.randn(shape, generator=g).to(self.cfg.params_dtype).to(self.device)
+        self.lanes = make_lanes(self.device)
+        self._trivial = trivial_plan(self.ops)
+
+    # -- states ------------------------------------------------------------------------------
+    def state(self, strand: str) -> StrandState:
+        S = StrandState(self.lanes, strand)
+        S.meta = self.meta
+        return S
+
+    def fwd_state(self, upto: int = 0) -> StrandState:
+        """α with its first `upto` forward ops done."""
+        S = self.state("α")
+        S.put("x", self.x)
+        for op in self.program.forward_ops[:upto]:
+            execute_step((S, [op]), None)
+        return S
+
+    def bwd_state(self, upto: int = 0) -> StrandState:
+        """β after its whole forward and its first `upto` backward ops."""
+        S = self.state("β")
+        S.put("x", self.x)
+        run_layer_step(self._trivial, fwd=(self.program, S))
+        S.counting = False
+        S.put("g_out", self.g)
+        for op in self.program.backward_ops[:upto]:
+            execute_step(None, (S, [op]))
+        return S
+
+    # -- timing ---------------------------------------------------------------------------------
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    def _max_across_ranks(self, v: float) -> float:
+        t = torch.tensor([v], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    def time_ops(self, f: Optional[int], b: Optional[int], warmup: int, repeats: int) -> float:
+        """Median time of forward op #f and/or backward op #b launched together as one
+        step (slowest rank)."""
+        ts: List[float] = []
+        for r in range(warmup + repeats):
+            Sa = self.fwd_state(f) if f is not None else None
+            Sb = self.bwd_state(b) if b is not None else None
+            self._sync()
+            t = time.perf_counter()
+            execute_step((Sa, [self.program.forward_ops[f]]) if f is not None else None,
+                         (Sb, [self.program.backward_ops[b]]) if b is not None else None)
+            self._sync_device()
+            if r >= warmup:
+                ts.append(time.perf_counter() - t)
+        return self._max_across_ranks(statistics.median(ts))
+
+    def time_plans(self, plans: Sequence[Plan], warmup: int, repeats: int,
+                   progress=None) -> List[float]:
+        """Median layer-step time (α forward ∥ β backward) of each plan; plans are
+        interleaved within each repeat so drift hits all alike."""
+        times: List[List[float]] = [[] for _ in plans]
+        for r in range(warmup + repeats):
+            for k, plan in enumerate(plans):
+                Sb = self.bwd_state(0)
+                Sa = self.fwd_state(0)
+                self._sync()
+                t = time.perf_counter()
+                run_layer_step(plan, fwd=(self.program, Sa), bwd=(self.program, Sb))
+                self._sync_device()
+                if r >= warmup:
+                    times[k].append(time.perf_counter() - t)
+            if progress is not None:
+                progress.update(1)
+        return [self._max_across_ranks(statistics.median(t)) for t in times]
+
+    def _sync_device(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()

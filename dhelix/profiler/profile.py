@@ -1,0 +1,76 @@
+"""`dhelix profile`: the pairwise overlap table of a layer, measured on the real ranks.
+
+For each forward op i and backward op j: T_i alone, T_j alone and P_ij launched together,
+each the median of repeated runs after warm-up (slowest rank). Written as JSON (with
+provenance: shape, dtype, parallel sizes, node layout, hardware, versions) and CSV.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dhelix.planner.costs import CostTable
+
+
+def hardware() -> dict:
+    """What the table was measured on; compared when a table is used elsewhere."""
+    if torch.cuda.is_available():
+        dev = torch.cuda.get_device_name()
+    else:
+        dev = f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
+    return {"device": dev, "link": os.environ.get("DHELIX_LINK", "unspecified")}
+
+
+def provenance(m, tp, sp, seq, mbs, bf16) -> dict:
+    import megatron.core
+    from dhelix.train.dist import node_ids
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {
+        "model": m.name, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
+        "num_attention_heads": m.num_attention_heads, "num_query_groups": m.kv_groups,
+        "seq_length": seq, "micro_batch_size": mbs, "dtype": "bf16" if bf16 else "fp32",
+        "tensor_model_parallel_size": tp, "sequence_parallel": sp, "world_size": world,
+        "node_ids": node_ids(world), "hardware": hardware(), "host": socket.gethostname(),
+        "versions": {"torch": torch.__version__,
+                     "megatron-core": getattr(megatron.core, "__version__", "?"),
+                     "dhelix": _dhelix_version()},
+        "measured_at": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def _dhelix_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("dhelix")
+    except Exception:
+        return "dev"
+
+
+def profile_layer(harness, m, bf16: bool, warmup: int = 1, repeats: int = 5,
+                  show_progress: bool = True) -> CostTable:
+    from tqdm import tqdm
+    ops = harness.ops
+    nf, nb = len(ops.forward), len(ops.backward)
+    table = CostTable.empty(ops, provenance(m, harness.tp, harness.sp, harness.seq,
+                                            harness.mbs, bf16))
+    table.provenance.update({"warmup": warmup, "repeats": repeats, "statistic": "median"})
+    bar = tqdm(total=nf + nb + nf * nb, desc="dhelix profile", unit="meas",
+               disable=not show_progress)
+    for i, o in enumerate(ops.forward):
+        table.alone_f[o.name] = harness.time_ops(i, None, warmup, repeats)
+        bar.update(1)
+    for j, o in enumerate(ops.backward):
+        table.alone_b[o.name] = harness.time_ops(None, j, warmup, repeats)
+        bar.update(1)
+    for i, fo in enumerate(ops.forward):
+        for j, bo in enumerate(ops.backward):
+            table.pair[(fo.name, bo.name)] = harness.time_ops(i, j, warmup, repeats)
+            bar.update(1)
+    bar.close()
+    return table
