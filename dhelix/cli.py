@@ -44,8 +44,11 @@ def spawn(a, argv) -> int:
     from dhelix.train.dist import spawn_local
     try:
         with SlowLink(a.link) as prefix:
+            env = {"DHELIX_LINK": a.link}
+            if prefix:   # a namespace has no hostname entry: c10d warns on every rank
+                env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
             return spawn_local(a.nproc, _strip_launch(argv), timeout_s=a.timeout,
-                               prefix=prefix, extra_env={"DHELIX_LINK": a.link})
+                               prefix=prefix, extra_env=env)
     except NetnsError as e:
         print(f"dhelix: error: --link: {e}", file=sys.stderr)
         return 2

@@ -120,3 +120,50 @@ def _deadlock():
     else:
         time.sleep(600)                   # a hung peer
     return 0
+
+
+def _launch_env_run(env_per_rank, cmd, timeout=240):
+    import os
+    procs = [subprocess.Popen(cmd, env={**os.environ, **e, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for e in env_per_rank]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], outs
+
+
+def test_runs_under_srun_environment(tmp_path):
+    from dhelix.train.dist import free_port
+    port = str(free_port())
+    envs = [{"SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(r),
+             "SLURM_NTASKS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for r in range(2)]
+    out = tmp_path / "r.json"
+    rcs, outs = _launch_env_run(envs, [sys.executable, "-m", "dhelix.cli", "train",
+                                       "--tensor-model-parallel-size", "2", "--train-iters",
+                                       "3", "--json", str(out)])
+    assert rcs == [0, 0], outs
+    import json
+    r = json.loads(out.read_text())
+    assert r["config"]["world_size"] == 2 and len(r["losses"]) == 3
+    assert r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+
+
+def test_runs_under_torchrun(tmp_path):
+    from dhelix.train.dist import free_port
+    out = tmp_path / "r.json"
+    rcs, outs = _launch_env_run([{}], [sys.executable, "-m", "torch.distributed.run",
+                                       "--nproc_per_node", "2", "--master_port",
+                                       str(free_port()), "-m", "dhelix.cli", "train",
+                                       "--tensor-model-parallel-size", "2",
+                                       "--sequence-parallel", "--train-iters", "3",
+                                       "--json", str(out)])
+    assert rcs == [0], outs
+    import json
+    assert json.loads(out.read_text())["config"]["world_size"] == 2
