@@ -130,7 +130,7 @@ def _extra_commands():
     """Subcommands that live with their component (demo, plan, simulate, profile, ...)."""
     import importlib
     out = []
-    for mod in ("dhelix.demo", "dhelix.planner.cli", "dhelix.profiler.cli"):
+    for mod in ("dhelix.demo", "dhelix.planner.cli", "dhelix.profiler.cli", "dhelix.bench.cli"):
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:

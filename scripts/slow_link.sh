@@ -13,11 +13,13 @@ ns="dhelix$$"
 cleanup() { ip netns del "$ns" 2>/dev/null || true; }
 trap cleanup EXIT INT TERM
 ip netns add "$ns"
+# small token bucket (a real link has no free burst); it must hold one packet: MTU 9000
+ip -n "$ns" link set lo mtu 9000
 ip -n "$ns" link set lo up
 if [ -n "$delay" ]; then
   ip netns exec "$ns" tc qdisc add dev lo root handle 1: netem delay "$delay"
-  ip netns exec "$ns" tc qdisc add dev lo parent 1: handle 2: tbf rate "$rate" burst 1mb latency 400ms
+  ip netns exec "$ns" tc qdisc add dev lo parent 1: handle 2: tbf rate "$rate" burst 32kb latency 400ms
 else
-  ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$rate" burst 1mb latency 400ms
+  ip netns exec "$ns" tc qdisc add dev lo root tbf rate "$rate" burst 32kb latency 400ms
 fi
 ip netns exec "$ns" "$@"

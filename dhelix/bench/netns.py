@@ -39,10 +39,13 @@ class SlowLink:
                              "--link or as root")
         _run(["ip", "netns", "add", self.name])
         try:
+            # A real link has no free burst: keep the token bucket small, so that every
+            # message (hundreds of KiB) is paced at the rate. The bucket must still
+            # hold one packet, hence a 9000-byte MTU instead of loopback's 64 KiB.
+            _run(["ip", "-n", self.name, "link", "set", "lo", "mtu", "9000"])
             _run(["ip", "-n", self.name, "link", "set", "lo", "up"])
             tc = ["ip", "netns", "exec", self.name, "tc", "qdisc", "add", "dev", "lo"]
-            # lo's MTU is 64 KiB: the bucket must hold a whole packet or nothing passes
-            tbf = ["tbf", "rate", self.rate, "burst", "1mb", "latency", "400ms"]
+            tbf = ["tbf", "rate", self.rate, "burst", "32kb", "latency", "400ms"]
             if self.delay:
                 _run(tc + ["root", "handle", "1:", "netem", "delay", self.delay])
                 _run(tc + ["parent", "1:", "handle", "2:"] + tbf)

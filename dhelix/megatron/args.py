@@ -10,8 +10,9 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dhelix", action="store_true",
                    help="co-execute two micro-batches (F(k+1) ∥ B(k)) with the DHelix layer")
     g.add_argument("--dhelix-plan", default=None, metavar="PATH",
-                   help="layer plan JSON (`dhelix plan` output); default: the planner's "
-                        "plan from a table/cluster, else a built-in paired plan")
+                   help="layer plan JSON (`dhelix plan` output), or 'trivial' / 'paired' "
+                        "for a built-in plan; default: the planner's plan from a "
+                        "table/cluster, else the built-in paired plan")
     g.add_argument("--dhelix-overlap-table", default=None, metavar="PATH",
                    help="pairwise overlap table (`dhelix profile` output) to plan from")
     g.add_argument("--dhelix-cluster", default=None, metavar="YAML",
@@ -22,6 +23,9 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="U-shaped layer folding for pipeline parallelism")
     g.add_argument("--dhelix-trace", default=None, metavar="PATH",
                    help="write a Chrome-trace JSON of every op on its lane")
+    g.add_argument("--dhelix-peer", choices=["intra-batch"], default=None,
+                   help="instead of DHelix, the intra-batch overlap peer (for comparison): "
+                        "each micro-batch split in two halves, interleaved round-robin")
     g.add_argument("--dhelix-force", action="store_true",
                    help="use a table made for another shape or cluster anyway")
     return parser
@@ -41,9 +45,11 @@ def check_dhelix_args(args) -> None:
     for name, what in (("dhelix_plan", "plan"), ("dhelix_overlap_table", "overlap table"),
                        ("dhelix_cluster", "cluster file")):
         path = getattr(args, name, None)
+        if name == "dhelix_plan" and path in ("trivial", "paired"):
+            continue
         if path and not os.path.exists(path):
             raise DHelixArgError(f"--{name.replace('_', '-')} {path}: {what} file not found")
-    if getattr(args, "dhelix_plan", None):
+    if getattr(args, "dhelix_plan", None) not in (None, "trivial", "paired"):
         from dhelix.planner.plan import Plan
         Plan.load(args.dhelix_plan)          # raises PlanError naming the field
     budget = getattr(args, "dhelix_memory_budget", None)

@@ -21,6 +21,9 @@ def register(sub):
     p = _add(sub, "profile", "measure the pairwise overlap table of a layer on these ranks",
              cmd_profile)
     p.add_argument("--out", default="table.json", help="table JSON (a .csv view beside it)")
+    p.add_argument("--pairs", choices=["concurrent", "all"], default="concurrent",
+                   help="measure only pairs on different lanes (what the simulator reads) "
+                        "or every forward × backward pair")
     p = _add(sub, "validate-model", "compare simulated and measured layer-step times of "
              "random legal plans", cmd_validate)
     p.add_argument("--table", default=None, help="pairwise table; default: profile now")
@@ -60,13 +63,14 @@ def cmd_profile(a, argv) -> int:
     from dhelix.profiler.profile import profile_layer
 
     def body(h, m, rank0):
-        table = profile_layer(h, m, a.bf16, a.warmup, a.repeats, show_progress=rank0)
+        table = profile_layer(h, m, a.bf16, a.warmup, a.repeats, show_progress=rank0,
+                              pairs=a.pairs)
         if rank0:
             os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
             table.save(a.out)
             csv = os.path.splitext(a.out)[0] + ".csv"
             table.write_csv(csv)
-            oefs = [table.oef(f, b) for f, b in table.pair]
+            oefs = [table.oef(f, b) for f, b in table.pair] or [0.0]
             print(f"dhelix profile: {len(table.alone_f)} forward × {len(table.alone_b)} "
                   f"backward ops, {len(table.pair)} pairs -> {a.out}, {csv}")
             print(f"  OEF median {sorted(oefs)[len(oefs) // 2]:.2f}, min {min(oefs):.2f}, "
@@ -81,7 +85,7 @@ def cmd_validate(a, argv) -> int:
 
     def body(h, m, rank0):
         if a.table:
-            table = CostTable.load(a.table, layer=h.ops, force=a.force)
+            table = CostTable.load(a.table, layer=h.ops, force=a.force, pairs="concurrent")
         else:
             table = profile_layer(h, m, a.bf16, a.warmup, a.repeats, show_progress=rank0)
             if rank0:

@@ -53,14 +53,21 @@ def _dhelix_version() -> str:
 
 
 def profile_layer(harness, m, bf16: bool, warmup: int = 1, repeats: int = 5,
-                  show_progress: bool = True) -> CostTable:
+                  show_progress: bool = True, pairs: str = "concurrent") -> CostTable:
+    """pairs="concurrent" measures the pairs that can overlap (ops on different lanes,
+    the only ones the simulator reads); "all" measures every forward × backward pair."""
     from tqdm import tqdm
+
+    from dhelix.planner.costs import concurrent
     ops = harness.ops
     nf, nb = len(ops.forward), len(ops.backward)
+    todo = [(i, j) for i in range(nf) for j in range(nb)
+            if pairs == "all" or concurrent(ops.forward[i], ops.backward[j])]
     table = CostTable.empty(ops, provenance(m, harness.tp, harness.sp, harness.seq,
                                             harness.mbs, bf16))
-    table.provenance.update({"warmup": warmup, "repeats": repeats, "statistic": "median"})
-    bar = tqdm(total=nf + nb + nf * nb, desc="dhelix profile", unit="meas",
+    table.provenance.update({"warmup": warmup, "repeats": repeats, "statistic": "median",
+                             "pairs": pairs})
+    bar = tqdm(total=nf + nb + len(todo), desc="dhelix profile", unit="meas",
                disable=not show_progress)
     for i, o in enumerate(ops.forward):
         table.alone_f[o.name] = harness.time_ops(i, None, warmup, repeats)
@@ -68,9 +75,9 @@ def profile_layer(harness, m, bf16: bool, warmup: int = 1, repeats: int = 5,
     for j, o in enumerate(ops.backward):
         table.alone_b[o.name] = harness.time_ops(None, j, warmup, repeats)
         bar.update(1)
-    for i, fo in enumerate(ops.forward):
-        for j, bo in enumerate(ops.backward):
-            table.pair[(fo.name, bo.name)] = harness.time_ops(i, j, warmup, repeats)
-            bar.update(1)
+    for i, j in todo:
+        table.pair[(ops.forward[i].name, ops.backward[j].name)] = \
+            harness.time_ops(i, j, warmup, repeats)
+        bar.update(1)
     bar.close()
     return table

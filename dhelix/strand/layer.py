@@ -104,7 +104,9 @@ class _StrandLayerFn(torch.autograd.Function):
         S = ctx.S
         S.counting = False
         S.put("g_out", g.contiguous())
-        (_bwd["runner"] or ctx.runner).backward(ctx.layer, S)
+        # the strand whose thread runs this backward; on GPU autograd uses a device
+        # thread of its own, so the schedule names the backward strand globally
+        (active_runner() or _bwd["runner"] or ctx.runner).backward(ctx.layer, S)
         gx = S.get("g_x")
         grads = [S.grads.get(id(p)) for p in ctx.layer.program.params]
         S.clear()

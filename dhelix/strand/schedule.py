@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dhelix.strand.executor import Tracer, run_layer_step
+from dhelix.strand.executor import Tracer, execute_step, run_layer_step
 from dhelix.strand.lanes import Lanes, make_lanes
 from dhelix.strand.layer import DHelixLayer, set_backward_runner, use_runner
 from dhelix.strand.runner import PlanBook
@@ -139,9 +139,24 @@ class CoExecutor:
             run_layer_step(plan, fwd=(f.layer.program, f.S) if f else None,
                            bwd=(b.layer.program, b.S) if b else None, tracer=self.tracer)
             return
-        for r in reqs:
-            plan = self.plans.for_layer(r.layer)
-            run_layer_step(plan, **{r.kind: (r.layer.program, r.S)}, tracer=self.tracer)
+        round_robin(reqs[0], reqs[1], self.tracer)
+
+
+def round_robin(a: Request, b: Request, tracer: Optional[Tracer] = None) -> None:
+    """Two requests of one kind (two forward halves of a micro-batch, or two backward
+    halves): segment by segment, a's k-th segment beside b's (k-1)-th, so that one
+    half's comm runs beside the other half's compute (the intra-batch peer)."""
+    from dhelix.planner.plan import comm_runs
+
+    def segs(r):
+        prog = r.layer.program
+        chain = prog.forward_ops if r.kind == "fwd" else prog.backward_ops
+        by = prog.fwd if r.kind == "fwd" else prog.bwd
+        return [[by[n] for n in seg] for seg in comm_runs([o.spec for o in chain])]
+    sa, sb = segs(a), segs(b)
+    for k in range(max(len(sa), len(sb) + 1)):
+        execute_step((a.S, sa[k]) if k < len(sa) else None,
+                     (b.S, sb[k - 1]) if 1 <= k <= len(sb) else None, tracer)
 
 
 class DHelixSchedule:

@@ -81,7 +81,8 @@ def free_port() -> int:
 
 
 def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
-                extra_env: Optional[dict] = None, prefix: Optional[List[str]] = None) -> int:
+                extra_env: Optional[dict] = None, prefix: Optional[List[str]] = None,
+                quiet: bool = False) -> int:
     """Run `python -m dhelix.cli argv` as `nproc` local ranks; if one rank fails, stop the
     others and return its exit code (no rank is left hanging)."""
     port = free_port()
@@ -93,7 +94,8 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
         env.update(extra_env or {})
         procs.append(subprocess.Popen(list(prefix or []) + [sys.executable, "-m", "dhelix.cli"]
-                                      + argv, env=env))
+                                      + argv, env=env,
+                                      stdout=subprocess.DEVNULL if quiet else None))
     start = time.time()
     rc = 0
     try:

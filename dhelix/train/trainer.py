@@ -294,6 +294,9 @@ class BaselineSchedule:
 
 
 def _schedule(cfg: TrainConfig):
+    if cfg.dhelix.get("peer") == "intra-batch":
+        from dhelix.strand.peer import IntraBatchSchedule
+        return IntraBatchSchedule(cfg.dhelix)
     if cfg.dhelix.get("enabled"):
         from dhelix.strand.schedule import DHelixSchedule
         return DHelixSchedule(cfg.dhelix)

@@ -1,0 +1,230 @@
+"""`dhelix bench`: the emulated-cluster benchmark (DESIGN §4), all methods in one run.
+
+For each link rate and model size, inside one rate-limited network namespace, the same
+GPT is trained for the same steps by
+  1. megatron-core (baseline),
+  2. the intra-batch overlap peer (two half micro-batches, round-robin),
+  3. DHelix with the trivial plan (nothing paired: DHelix's own overheads),
+  4. DHelix with the planner's plan (DP over an analytical model of this machine: GEMM
+     throughput measured here, the link's rate),
+and the table reports tokens/s, speedup over baseline, peak activation memory, the
+per-step lower bound max(compute, comm) + the rest, measured from the trivial run's
+trace, and the share of the baseline's exposed communication each method hid.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan")
+
+
+def register(sub):
+    p = sub.add_parser("bench", help="baseline vs intra-batch peer vs DHelix over "
+                                     "emulated slow links")
+    p.add_argument("--configs", default="small,base", help="comma-separated model configs")
+    p.add_argument("--links", default="none,4gbit,2gbit,1gbit",
+                   help="comma-separated link rates ('none' = unlimited loopback)")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-microbatches", type=int, default=4)
+    p.add_argument("--train-iters", type=int, default=6)
+    p.add_argument("--out", default="bench", help="prefix for .md, .json and .png")
+    p.set_defaults(func=run)
+
+
+def link_GBps(rate: str) -> float:
+    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)(bit|bps)", rate.strip().lower())
+    if not m:
+        raise ValueError(f"--links: cannot read rate {rate!r} (use e.g. 2gbit)")
+    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    v = float(m.group(1)) * mult
+    return v / 8e9 if m.group(3) == "bit" else v / 1e9
+
+
+def machine_cluster(rate: str, path: str) -> str:
+    """A cluster file for this machine: measured fp32 GEMM throughput of one core, and
+    the link's rate as the intra-node bandwidth (loopback carries both directions)."""
+    import torch
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    for _ in range(3):
+        a @ b
+    t = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        a @ b
+    flops = 2 * 512 ** 3 * n / (time.perf_counter() - t)
+    bw = link_GBps(rate) / 2 if rate != "none" else 5.0
+    with open(path, "w") as f:
+        f.write(f"""name: this-machine-{rate}
+peak_flops:
+  fp32: {flops:.4e}   # measured: 512x512 fp32 matmul on one core
+  bf16: {flops:.4e}
+achieved_fraction: 1.0
+gpus_per_node: 2
+intra_node:
+  bandwidth_GBps: {bw:.4f}   # the emulated link, shared by both directions on loopback
+  latency_us: 60
+inter_node:
+  bandwidth_GBps: {bw:.4f}
+  latency_us: 60
+comm_compute_slowdown: 0.1
+""")
+    return path
+
+
+def _argv(a, cfg, out_json, method, cluster, trace):
+    dp = a.nproc // a.tensor_model_parallel_size
+    argv = ["train", "--config", cfg, "--tensor-model-parallel-size",
+            str(a.tensor_model_parallel_size), "--sequence-parallel", "--seq-length",
+            str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
+            "--global-batch-size", str(a.micro_batch_size * a.num_microbatches * dp),
+            "--train-iters", str(a.train_iters), "--log-interval", str(a.train_iters),
+            "--json", out_json, "--data", "synthetic"]
+    if method == "intra-batch":
+        argv += ["--dhelix-peer", "intra-batch"]
+    elif method == "dhelix-trivial":
+        argv += ["--dhelix", "--dhelix-plan", "trivial", "--dhelix-trace", trace]
+    elif method == "dhelix-plan":
+        argv += ["--dhelix", "--dhelix-cluster", cluster]
+    return argv
+
+
+def _trace_totals(path: str) -> Dict[str, float]:
+    with open(path) as f:
+        ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    comp = sum(e["dur"] for e in ev if e["tid"] == 0) / 1e6
+    comm = sum(e["dur"] for e in ev if e["tid"] != 0) / 1e6
+    return {"layer_compute_s": comp, "layer_comm_s": comm}
+
+
+def step_time(r: dict) -> float:
+    ts = r["step_times_s"][1:] or r["step_times_s"]
+    return statistics.median(ts)
+
+
+def run(a, argv) -> int:
+    from tqdm import tqdm
+
+    from dhelix.bench.netns import NetnsError, SlowLink
+    from dhelix.train.dist import spawn_local
+
+    configs = [c for c in a.configs.split(",") if c]
+    links = [l for l in a.links.split(",") if l]
+    for l in links:
+        if l != "none":
+            link_GBps(l)
+    work = tempfile.mkdtemp(prefix="dhelix-bench-")
+    rows: List[dict] = []
+    bar = tqdm(total=len(configs) * len(links) * len(METHODS), desc="dhelix bench",
+               unit="run")
+    try:
+        for link in links:
+            with SlowLink(link) as prefix:
+                env = {"DHELIX_LINK": link, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+                for cfg in configs:
+                    cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))
+                    res = {}
+                    for method in METHODS:
+                        out = os.path.join(work, f"{cfg}-{link}-{method}.json")
+                        trace = os.path.join(work, f"{cfg}-{link}-trace.json")
+                        bar.set_postfix_str(f"{cfg} {link} {method}")
+                        rc = spawn_local(a.nproc, _argv(a, cfg, out, method, cluster, trace),
+                                         prefix=prefix, extra_env=env, timeout_s=1800,
+                                         quiet=True)
+                        if rc != 0:
+                            raise RuntimeError(f"{cfg} {link} {method}: ranks failed "
+                                               f"(exit {rc}); rerun that `dhelix train` "
+                                               f"line to see why")
+                        with open(out) as f:
+                            res[method] = json.load(f)
+                        bar.update(1)
+                    rows += _rows(cfg, link, res, _trace_totals(trace))
+    except NetnsError as e:
+        print(f"dhelix bench: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        bar.close()
+    md = markdown(rows)
+    print(md)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out + ".md", "w") as f:
+        f.write(md + "\n")
+    with open(a.out + ".json", "w") as f:
+        json.dump({"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows},
+                  f, indent=1)
+    plot(rows, a.out + ".png")
+    print(f"dhelix bench: wrote {a.out}.md, {a.out}.json, {a.out}.png (runs under {work})")
+    return 0
+
+
+def _rows(cfg, link, res, tr) -> List[dict]:
+    base = step_time(res["megatron"])
+    triv = step_time(res["dhelix-trivial"])
+    comp, comm = tr["layer_compute_s"], tr["layer_comm_s"]
+    rest = max(triv - comp - comm, 0.0)         # embedding, head, loss, optimizer, glue
+    lower = rest + max(comp, comm)
+    exposed = max(base - (rest + comp), 1e-9)   # the baseline's time beyond compute
+    out = []
+    for m in METHODS:
+        t = step_time(res[m])
+        out.append({
+            "config": cfg, "link": link, "method": m, "step_s": t,
+            "tokens_per_s": res[m]["tokens_per_s"],
+            "speedup": base / t,
+            "peak_activation_bytes": res[m]["peak_memory_bytes"],
+            "memory_vs_baseline": res[m]["peak_memory_bytes"] /
+            res["megatron"]["peak_memory_bytes"],
+            "lower_bound_s": lower, "layer_compute_s": comp, "layer_comm_s": comm,
+            "hidden_share": (base - t) / exposed if m != "megatron" else 0.0,
+            "final_loss": res[m]["losses"][-1],
+        })
+    return out
+
+
+def markdown(rows) -> str:
+    lines = ["| model | link | method | tokens/s | speedup | step ms | lower bound ms | "
+             "compute / comm ms | exposed comm hidden | peak act. vs base |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['config']} | {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+            f"{r['speedup']:.2f}x | {r['step_s'] * 1e3:.0f} | {r['lower_bound_s'] * 1e3:.0f} | "
+            f"{r['layer_compute_s'] * 1e3:.0f} / {r['layer_comm_s'] * 1e3:.0f} | "
+            f"{r['hidden_share'] * 100:.0f}% | {r['memory_vs_baseline']:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({r["config"] for r in rows})
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
+    for ax, cfg in zip(axes[0], configs):
+        links = [l for l in dict.fromkeys(r["link"] for r in rows if r["config"] == cfg)]
+        xs = list(range(len(links)))
+        for m in METHODS:
+            ys = [next(r["speedup"] for r in rows if r["config"] == cfg and
+                       r["link"] == l and r["method"] == m) for l in links]
+            ax.plot(xs, ys, marker="o", label=m)
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(links)
+        ax.set_xlabel("link rate")
+        ax.set_ylabel("speedup over megatron-core")
+        ax.set_title(cfg)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

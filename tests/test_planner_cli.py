@@ -1,0 +1,205 @@
+"""`dhelix plan | simulate | plan-sweep` (dhelix/planner/cli.py), run in-process."""
+import json
+import os
+
+import pytest
+
+from dhelix.cli import main
+from dhelix.models.config import load_model_config
+from dhelix.planner.cli import parse_bytes
+from dhelix.planner.costmodel import analytical_table, load_cluster
+from dhelix.planner.plan import Plan, validate
+from dhelix.strand.program import layer_ops_for_shape
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--config", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--seq-length", "128", "--micro-batch-size", "2"]
+L8 = ["--config", "llama-8b", "--tensor-model-parallel-size", "8", "--sequence-parallel",
+      "--seq-length", "4096", "--micro-batch-size", "1", "--bf16"]
+
+
+def tiny_layer(seq=128):
+    return layer_ops_for_shape(load_model_config("tiny"), 2, True, seq, 2)
+
+
+def run(argv, capsys):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_plan_tiny_a800_writes_a_valid_plan(tmp_path, capsys):
+    out = str(tmp_path / "tiny.json")
+    rc, stdout, err = run(["plan", *TINY, "--cluster", "a800", "--out", out], capsys)
+    assert rc == 0, err
+    p = Plan.load(out)
+    validate(p, tiny_layer())
+    m = p.meta
+    assert m["predicted_s"] <= m["trivial_predicted_s"]
+    assert m["shape"] == {"config": "tiny", "tp": 2, "sp": True, "seq": 128, "mbs": 2,
+                          "bf16": False, "lane": "intra"}
+    assert m["cost_source"]["kind"] == "cluster" and m["cost_source"]["name"] == "a800"
+    assert m["layer"] == tiny_layer().to_json()
+    # the printout: the plan table, predicted vs trivial, peak memory, planning time
+    assert "forward (α)" in stdout and "backward (β)" in stdout
+    assert "trivial plan" in stdout and "speedup" in stdout
+    assert "peak mem" in stdout and "backend" in stdout
+
+
+def test_plan_python_backend_gives_the_same_plan(tmp_path, capsys):
+    a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    assert run(["plan", *TINY, "--cluster", "a800", "--out", a, "--backend", "python"],
+               capsys)[0] == 0
+    assert run(["plan", *TINY, "--cluster", "a800", "--out", b], capsys)[0] == 0
+    assert Plan.load(a).steps == Plan.load(b).steps
+    assert Plan.load(a).meta["backend"] == "python"
+
+
+@pytest.fixture(scope="module")
+def llama_plan(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("l8") / "llama8b.json")
+    assert main(["plan", *L8, "--cluster", "h100", "--out", out]) == 0
+    return out
+
+
+def test_plan_llama8b_tp8_sp_h100(llama_plan):
+    p = Plan.load(llama_plan)
+    layer = layer_ops_for_shape(load_model_config("llama-8b"), 8, True, 4096, 1, bf16=True)
+    validate(p, layer)
+    m = p.meta
+    assert m["predicted_s"] < m["trivial_predicted_s"]          # TP comm to hide
+    assert p.num_paired() > 0
+    assert m["predicted_peak_bytes"] > 0 and m["planning_time_s"] >= 0
+    assert m["cost_source"]["group_sizes"] == {"tp": 8} and m["cost_source"]["dtype"] == "bf16"
+
+
+def test_simulate_writes_png_and_trace(llama_plan, capsys):
+    rc, out, err = run(["simulate", llama_plan], capsys)
+    assert rc == 0, err
+    root = os.path.splitext(llama_plan)[0]
+    png, trace = root + ".png", root + ".trace.json"
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(trace) as f:
+        evs = json.load(f)["traceEvents"]
+    assert any(e.get("ph") == "X" for e in evs)
+    assert "makespan" in out and "peak memory" in out and "lane busy" in out
+    assert "trivial plan" in out
+    # the simulated makespan is what the planner predicted (same costs, same model)
+    p = Plan.load(llama_plan)
+    ms = float(out.split("makespan:")[1].split("ms")[0])
+    assert ms == pytest.approx(p.meta["predicted_s"] * 1e3, rel=1e-3)
+
+
+def test_simulate_explicit_outputs_and_other_cluster(llama_plan, tmp_path, capsys):
+    png, trace = str(tmp_path / "t.png"), str(tmp_path / "t.json")
+    rc, out, err = run(["simulate", llama_plan, "--cluster", "a40", "--png", png,
+                        "--trace", trace], capsys)
+    assert rc == 0, err
+    assert os.path.getsize(png) > 0 and "traceEvents" in json.load(open(trace))
+    assert "cluster a40" in out
+
+
+def test_simulate_without_meta_needs_shape_flags(tmp_path, capsys):
+    path = str(tmp_path / "p.json")
+    assert run(["plan", *TINY, "--cluster", "a800", "--out", path], capsys)[0] == 0
+    d = json.load(open(path))
+    del d["meta"]["layer"], d["meta"]["shape"]
+    json.dump(d, open(path, "w"))
+    rc, out, err = run(["simulate", path], capsys)
+    assert rc == 2 and err.startswith("dhelix simulate: error:") and "--config" in err
+    assert "Traceback" not in err
+    rc, out, err = run(["simulate", path, *TINY], capsys)
+    assert rc == 0, err
+    # a shape that is not the plan's is a validation error, not a traceback
+    rc, out, err = run(["simulate", path, "--config", "tiny", "--tensor-model-parallel-size",
+                        "2", "--seq-length", "256"], capsys)
+    assert rc == 2 and "layer-shape" in err
+
+
+def test_table_for_another_shape_refused_unless_forced(tmp_path, capsys):
+    other = tiny_layer(seq=256)                   # same ops, different shape
+    table = str(tmp_path / "other.json")
+    analytical_table(other, load_cluster(os.path.join(REPO, "configs/clusters/a40.yaml")),
+                     {"tp": 2}, dtype="fp32").save(table)
+    out = str(tmp_path / "plan.json")
+    rc, stdout, err = run(["plan", *TINY, "--table", table, "--out", out], capsys)
+    assert rc == 2
+    assert err.startswith("dhelix plan: error:") and err.count("\n") == 1
+    assert other.signature() in err and tiny_layer().signature() in err
+    assert "seq 128" in err and "--force" in err
+    assert not os.path.exists(out)
+
+    rc, stdout, err = run(["plan", *TINY, "--table", table, "--out", out, "--force"], capsys)
+    assert rc == 0, err
+    p = Plan.load(out)
+    validate(p, tiny_layer())
+    assert p.meta["cost_source"] == {"kind": "table", "path": os.path.abspath(table),
+                                     "forced": True}
+    # simulate from the plan alone reuses the forced table
+    rc, stdout, err = run(["simulate", out], capsys)
+    assert rc == 0, err
+    assert "(forced)" in stdout
+
+
+def test_missing_table_and_bad_cluster_are_one_line_errors(tmp_path, capsys):
+    for extra, words in ((["--table", str(tmp_path / "nope.json")], "not found"),
+                         (["--cluster", "no-such-cluster"], "a800"),
+                         (["--cluster", "a800", "--memory-budget", "lots"], "memory-budget")):
+        rc, out, err = run(["plan", *TINY, *extra, "--out", str(tmp_path / "x.json")], capsys)
+        assert rc == 2 and err.startswith("dhelix plan: error:") and words in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\npeak_flops: {bf16: -1}\n")
+    rc, out, err = run(["plan", *TINY, "--cluster", str(bad)], capsys)
+    assert rc == 2 and "peak_flops" in err
+
+
+def test_memory_budget_too_small(tmp_path, capsys):
+    rc, out, err = run(["plan", *TINY, "--cluster", "a800", "--memory-budget", "1KiB",
+                        "--out", str(tmp_path / "x.json")], capsys)
+    assert rc == 2 and err.startswith("dhelix plan: error:") and err.count("\n") == 1
+    assert "over the budget" in err and "too much" in err
+    # a budget that fits is honoured
+    out_path = str(tmp_path / "ok.json")
+    rc, out, err = run(["plan", *TINY, "--cluster", "a800", "--memory-budget", "1GiB",
+                        "--out", out_path], capsys)
+    assert rc == 0, err
+    m = Plan.load(out_path).meta
+    assert m["memory_budget_bytes"] == 2**30 and m["predicted_peak_bytes"] <= 2**30
+
+
+def test_parse_bytes():
+    assert parse_bytes("2GiB") == 2 * 2**30
+    assert parse_bytes("500MB") == 500e6
+    assert parse_bytes("1.5G") == 1.5 * 2**30
+    assert parse_bytes("123") == 123
+    for bad in ("", "x", "-1", "2 GX"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_plan_sweep(tmp_path, capsys):
+    js, png = str(tmp_path / "sweep.json"), str(tmp_path / "sweep.png")
+    rc, out, err = run(["plan-sweep", "--configs", "llama-8b", "gpt-6.7b", "--clusters", "h100",
+                        "--json", js, "--png", png], capsys)
+    assert rc == 0, err
+    d = json.load(open(js))
+    assert [(r["config"], r["cluster"]) for r in d["rows"]] == [("llama-8b", "h100"),
+                                                                ("gpt-6.7b", "h100")]
+    for r in d["rows"]:
+        assert r["speedup"] >= 1.0 and r["predicted_s"] <= r["trivial_predicted_s"]
+    assert d["setting"]["tp"] == 8 and d["setting"]["seq"] == 4096 and d["setting"]["bf16"]
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "| llama-8b" in out and "speedup" in out
+
+
+def test_plan_sweep_reports_failing_combinations(tmp_path, capsys):
+    js, png = str(tmp_path / "s.json"), str(tmp_path / "s.png")
+    rc, out, err = run(["plan-sweep", "--configs", "tiny,llama-8b", "--clusters", "a800",
+                        "--json", js, "--png", png, "--no-progress"], capsys)
+    assert rc == 1                      # tiny has 4 heads: TP=8 is impossible
+    rows = json.load(open(js))["rows"]
+    assert "error" in rows[0] and "num_attention_heads" in rows[0]["error"]
+    assert "speedup" in rows[1] and os.path.exists(png)
