@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Optional
 
 from dhelix.megatron.args import check_dhelix_args
 

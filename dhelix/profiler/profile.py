@@ -10,7 +10,6 @@ import datetime
 import os
 import platform
 import socket
-from typing import Optional
 
 import torch
 import torch.distributed as dist

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 
-from dhelix.strand.schedule import CoExecutor, DHelixSchedule
+from dhelix.strand.schedule import CoExecutor, DHelixSchedule, MicrobatchSteps
 
 
 class IntraBatchSchedule(DHelixSchedule):
@@ -35,9 +34,8 @@ def _halves(data_iterator):
 def forward_backward_intra_batch(*, forward_step_func, data_iterator, model,
                                  num_microbatches, seq_length, micro_batch_size,
                                  forward_only=False, schedule=None, **unused):
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules as ms
-    from megatron.core.utils import get_model_config, get_model_type
+    from megatron.core.utils import get_model_config
 
     if isinstance(model, list):
         model = model[0]
@@ -51,39 +49,21 @@ def forward_backward_intra_batch(*, forward_step_func, data_iterator, model,
     if schedule.lanes is None:
         schedule.prepare(model, None)
     config = get_model_config(model)
-    model_type = get_model_type(model)
     plans = schedule.plan_book(seq_length, micro_batch_size // 2)
     co = CoExecutor(plans, schedule.lanes, schedule.tracer)
     no_sync = config.no_sync_func or contextlib.nullcontext
-    halves = _halves(data_iterator)
-    store, outputs = [], {}
-    cp = parallel_state.get_context_parallel_world_size()
-    n = 2 * num_microbatches                  # half micro-batches
-    total = torch.zeros([], dtype=torch.int)
+    # the halves are 2N micro-batches to megatron: each loss is scaled by 1/(2N)
+    mb = MicrobatchSteps(forward_step_func, _halves(data_iterator), model,
+                         2 * num_microbatches)
+    F, B = mb.F, mb.B
     overlap_reduce = getattr(getattr(model, "ddp_config", None), "overlap_grad_reduce", False)
-
-    def F(k):
-        def run():
-            out, ntok = ms.forward_step(forward_step_func, halves, model, n, None, store,
-                                        config, cp, False, is_first_microbatch=(k == 0),
-                                        current_microbatch=k)
-            outputs[k] = out
-            return ntok
-        return run
-
-    def B(k):
-        def run():
-            ms.backward_step(None, outputs.pop(k), None, model_type, config)
-        return run
-
     if schedule.tracer is not None:
         schedule.tracer.reset()
     for m in range(num_microbatches):
         last = m == num_microbatches - 1
         with no_sync():
-            t0, t1 = co.run(alpha=F(2 * m), beta=F(2 * m + 1),
-                            labels=(f"F{m + 1}a", f"F{m + 1}b"))
-            total += int(t0) + int(t1)
+            mb.count(co.run(alpha=F(2 * m), beta=F(2 * m + 1),
+                            labels=(f"F{m + 1}a", f"F{m + 1}b")))
             if not last:
                 co.run(alpha=B(2 * m), beta=B(2 * m + 1), labels=(f"B{m + 1}a", f"B{m + 1}b"))
             elif overlap_reduce:
@@ -95,7 +75,5 @@ def forward_backward_intra_batch(*, forward_step_func, data_iterator, model,
                 co.run(beta=B(2 * m + 1), labels=("", f"B{m + 1}b"))
             else:
                 co.run(alpha=B(2 * m), beta=B(2 * m + 1), labels=(f"B{m + 1}a", f"B{m + 1}b"))
-    if config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func(
-            [model], total if config.calculate_per_token_loss else None)
-    return store
+    mb.finalize()
+    return mb.store

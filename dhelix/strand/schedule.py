@@ -207,9 +207,8 @@ def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_micr
                             first_val_step=None, schedule: Optional[DHelixSchedule] = None,
                             **unused):
     """megatron-core's forward-backward signature; PP = 1."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import schedules as ms
-    from megatron.core.utils import get_model_config, get_model_type
+    from megatron.core.utils import get_model_config
 
     if isinstance(model, list):
         if len(model) != 1:
@@ -228,45 +227,70 @@ def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_micr
     if schedule.lanes is None:
         schedule.prepare(model, None)
     config = get_model_config(model)
-    model_type = get_model_type(model)
     plans = schedule.plan_book(seq_length, micro_batch_size)
     co = CoExecutor(plans, schedule.lanes, schedule.tracer)
     no_sync = config.no_sync_func or contextlib.nullcontext
-    store = []
-    cp_size = parallel_state.get_context_parallel_world_size()
-    total_tokens = torch.zeros([], dtype=torch.int)
-    outputs = {}
-
-    def F(k):
-        def run():
-            out, ntok = ms.forward_step(
-                forward_step_func, data_iterator, model, num_microbatches, None, store,
-                config, cp_size, collect_non_loss_data,
-                is_first_microbatch=ms.check_first_val_step(first_val_step, False, k == 0),
-                current_microbatch=k)
-            outputs[k] = out
-            return ntok
-        return run
-
-    def B(k):
-        def run():
-            ms.backward_step(None, outputs.pop(k), None, model_type, config)
-        return run
-
+    mb = MicrobatchSteps(forward_step_func, data_iterator, model, num_microbatches,
+                         collect_non_loss_data, first_val_step)
     N = num_microbatches
     with no_sync():
         if schedule.tracer is not None:
             schedule.tracer.reset()       # keep the last iteration's trace
-        ntok, _ = co.run(alpha=F(0), labels=("F1", ""))
-        total_tokens += ntok.to(total_tokens.device) if torch.is_tensor(ntok) else ntok
+        mb.count(co.run(alpha=mb.F(0), labels=("F1", "")))
         for k in range(N - 1):
-            ntok, _ = co.run(alpha=F(k + 1), beta=B(k), labels=(f"F{k + 2}", f"B{k + 1}"))
-            total_tokens += ntok.to(total_tokens.device) if torch.is_tensor(ntok) else ntok
-    co.run(beta=B(N - 1), labels=("", f"B{N}"))      # outside no_sync: gradients are reduced here
-    if config.finalize_model_grads_func is not None:
-        config.finalize_model_grads_func(
-            [model], total_tokens if config.calculate_per_token_loss else None)
-    return store
+            mb.count(co.run(alpha=mb.F(k + 1), beta=mb.B(k),
+                            labels=(f"F{k + 2}", f"B{k + 1}")))
+    co.run(beta=mb.B(N - 1), labels=("", f"B{N}"))   # outside no_sync: grads reduced here
+    mb.finalize()
+    return mb.store
+
+
+class MicrobatchSteps:
+    """megatron's own forward_step and backward_step of micro-batch k, as strand bodies,
+    and the bookkeeping megatron's schedules do around them (tokens, finalize)."""
+
+    def __init__(self, forward_step_func, data_iterator, model, num_microbatches,
+                 collect_non_loss_data=False, first_val_step=None):
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_model_config, get_model_type
+        self.fs, self.data, self.model = forward_step_func, data_iterator, model
+        self.n, self.collect, self.first_val = num_microbatches, collect_non_loss_data, \
+            first_val_step
+        self.config, self.model_type = get_model_config(model), get_model_type(model)
+        self.cp = parallel_state.get_context_parallel_world_size()
+        self.store, self.outputs = [], {}
+        self.tokens = torch.zeros([], dtype=torch.int)
+
+    def F(self, k):
+        from megatron.core.pipeline_parallel import schedules as ms
+
+        def run():
+            out, ntok = ms.forward_step(
+                self.fs, self.data, self.model, self.n, None, self.store, self.config,
+                self.cp, self.collect,
+                is_first_microbatch=ms.check_first_val_step(self.first_val, False, k == 0),
+                current_microbatch=k)
+            self.outputs[k] = out
+            return ntok
+        return run
+
+    def B(self, k):
+        from megatron.core.pipeline_parallel import schedules as ms
+
+        def run():
+            ms.backward_step(None, self.outputs.pop(k), None, self.model_type, self.config)
+        return run
+
+    def count(self, results):
+        for ntok in results:
+            if ntok is not None:
+                self.tokens += ntok.to(self.tokens.device) if torch.is_tensor(ntok) else ntok
+
+    def finalize(self):
+        c = self.config
+        if c.finalize_model_grads_func is not None:
+            c.finalize_model_grads_func([self.model],
+                                        self.tokens if c.calculate_per_token_loss else None)
 
 
 def _default_schedule():
