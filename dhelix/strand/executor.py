@@ -65,6 +65,7 @@ def execute_step(a: Optional[Segment], b: Optional[Segment],
             S, ops = queues[cur]
             op = ops[pos[cur]]
             pos[cur] += 1
+            w0 = S.waited
             t = time.perf_counter()
             op.run(S)
             if op.spec.kind == COMM:
@@ -72,7 +73,10 @@ def execute_step(a: Optional[Segment], b: Optional[Segment],
                 if len(queues) == 2:
                     cur = 1 - cur
             elif tracer is not None:
-                tracer.events.append(TraceEvent(S.strand, op.name, "compute", t - tracer.t0,
+                # the op's own work starts once the comm results it read had arrived
+                start = t + (S.waited - w0)
+                tracer.events.append(TraceEvent(S.strand, op.name, "compute",
+                                                start - tracer.t0,
                                                 time.perf_counter() - tracer.t0, tracer.step,
                                                 S.label))
         # barrier
@@ -80,9 +84,9 @@ def execute_step(a: Optional[Segment], b: Optional[Segment],
             if p is not None:
                 S.lanes.resolve(p)
             if tracer is not None:
+                end = p.t_done if p is not None and p.t_done else time.perf_counter()
                 tracer.events.append(TraceEvent(S.strand, op.name, op.spec.lane, t - tracer.t0,
-                                                time.perf_counter() - tracer.t0, tracer.step,
-                                                S.label))
+                                                end - tracer.t0, tracer.step, S.label))
         for S, _ in queues:
             S.barrier()
     if tracer is not None:

@@ -10,6 +10,8 @@ Everything CUDA- or gloo-specific in DHelix lives here.
 """
 from __future__ import annotations
 
+import abc
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -20,10 +22,11 @@ from dhelix.train.dist import node_ids
 
 class Pending:
     """The future result of a comm op."""
-    __slots__ = ("op", "out", "handle", "done")
+    __slots__ = ("op", "out", "handle", "done", "t_done")
 
     def __init__(self, op: str, out: torch.Tensor, handle):
         self.op, self.out, self.handle, self.done = op, out, handle, False
+        self.t_done = None   # when a reader first had the result (host clock), for traces
 
 
 def lane_of_group(group) -> str:
@@ -33,7 +36,7 @@ def lane_of_group(group) -> str:
     return "intra" if len({ids[r] for r in ranks}) == 1 else "inter"
 
 
-class Lanes:
+class Lanes(abc.ABC):
     """Backend-neutral part: the collectives DHelix ops use."""
 
     def all_gather(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
@@ -56,11 +59,13 @@ class Lanes:
     # backend hooks
     async_op = True
 
+    @abc.abstractmethod
     def _launch(self, op, lane, out, fn) -> Pending:
-        raise NotImplementedError   # abstract: CpuLanes / CudaLanes
+        """Start the collective `fn` on `lane`; return its Pending."""
 
+    @abc.abstractmethod
     def resolve(self, p: Pending) -> torch.Tensor:
-        raise NotImplementedError   # abstract
+        """Make the caller wait for `p`; return its result."""
 
     def barrier(self, pendings: List[Pending]) -> None:
         for p in pendings:
@@ -78,6 +83,7 @@ class CpuLanes(Lanes):
         if not p.done:
             p.handle.wait()
             p.done = True
+            p.t_done = time.perf_counter()
         return p.out
 
 
@@ -109,6 +115,7 @@ class CudaLanes(Lanes):
         if not p.done:
             torch.cuda.current_stream().wait_event(p.handle)
             p.done = True
+            p.t_done = time.perf_counter()   # host time of the wait, not of the kernel
         return p.out
 
 

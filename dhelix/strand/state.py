@@ -6,6 +6,7 @@ the backward are counted by the activation meter while they live.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Dict, List
 
 import torch
@@ -27,6 +28,7 @@ class StrandState:
         # Only what the forward keeps for the backward counts as activation memory, as
         # autograd's saved tensors do for megatron's layer; backward temporaries do not.
         self.counting = True
+        self.waited = 0.0              # seconds spent waiting for comm results (traces)
 
     def put(self, key: str, value) -> None:
         self.drop(key)
@@ -39,7 +41,9 @@ class StrandState:
     def get(self, key: str):
         v = self._v[key]
         if isinstance(v, Pending):
+            t = time.perf_counter()
             v = self.lanes.resolve(v)
+            self.waited += time.perf_counter() - t
             self._v[key] = v
         return v
 
