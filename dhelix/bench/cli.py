@@ -29,7 +29,7 @@ def register(sub):
     p = sub.add_parser("bench", help="baseline vs intra-batch peer vs DHelix over "
                                      "emulated slow links")
     p.add_argument("--configs", default="small,base", help="comma-separated model configs")
-    p.add_argument("--links", default="none,4gbit,2gbit,1gbit",
+    p.add_argument("--links", default="none,2gbit,1gbit",
                    help="comma-separated link rates ('none' = unlimited loopback)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--tensor-model-parallel-size", type=int, default=2)
