@@ -1,0 +1,190 @@
+"""Enumeration over legal plans: brute force (the DP's referee in tests), the legal
+backward orders, and random legal plans (for equivalence tests and model validation)."""
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Optional, Sequence
+
+from dhelix.planner.opspec import COMM, LayerOps, OpSpec
+from dhelix.planner.plan import Plan, PlanError, Step, validate
+from dhelix.planner.dp import INF, StepCost, StepIdx
+
+class BruteResult:
+    def __init__(self, best_cost: float, best_plan: Optional[Plan], count: int):
+        self.best_cost, self.best_plan, self.count = best_cost, best_plan, count
+
+    def __iter__(self):               # best_cost, best_plan, count = brute_force(...)
+        return iter((self.best_cost, self.best_plan, self.count))
+
+
+def _groups_ok(ops: Sequence[OpSpec]) -> bool:
+    seen = set()
+    for o in ops:
+        if o.kind == COMM and o.group is not None:
+            if o.group in seen:
+                return False
+            seen.add(o.group)
+    return True
+
+
+def backward_orders(layer: LayerOps) -> List[List[OpSpec]]:
+    """Every order of the backward ops that `validate` allows: the non-wgrad ops in chain
+    order, each wgrad op anywhere after its dgrad.  Exponential; tiny layers only."""
+    chain = [o for o in layer.backward if not o.wgrad]
+    wg = [o for o in layer.backward if o.wgrad]
+    orders: List[List[OpSpec]] = [chain]
+    for w in wg:
+        nxt = []
+        for order in orders:
+            pos = next(k for k, o in enumerate(order) if o.name == w.after)
+            for ins in range(pos + 1, len(order) + 1):
+                nxt.append(order[:ins] + [w] + order[ins:])
+        orders = nxt
+    return orders
+
+
+def brute_force(layer: LayerOps, step_cost: StepCost, deferred_wgrad: bool = False,
+                limit: int = 5_000_000) -> BruteResult:
+    """Enumerate every legal plan (backward in ``layer.backward`` order, or with
+    ``deferred_wgrad`` every order `validate` allows) and return the cheapest, costs summed
+    step by step in plan order.  For tiny layers (tests)."""
+    F = list(layer.forward)
+    orders = backward_orders(layer) if deferred_wgrad else [list(layer.backward)]
+    best = [INF, None]
+    count = [0]
+    for B in orders:
+        n, m = len(F), len(B)
+        memo: Dict[StepIdx, float] = {}
+
+        def c(i1, i2, j1, j2):
+            k = (i1, i2, j1, j2)
+            if k not in memo:
+                memo[k] = float(step_cost(F[i1:i2], B[j1:j2]))
+            return memo[k]
+
+        def rec(i, j, acc, path):
+            if i == n and j == m:
+                count[0] += 1
+                if count[0] > limit:
+                    raise PlanError(f"brute_force: more than {limit} plans; layer too large")
+                if acc < best[0]:
+                    best[0] = acc
+                    best[1] = [Step([o.name for o in F[a:b]], [o.name for o in B[x:y]])
+                               for (a, b, x, y) in path]
+                return
+            for i2 in range(i, n + 1):
+                if not _groups_ok(F[i:i2]):
+                    break
+                for j2 in range(j, m + 1):
+                    if i2 == i and j2 == j:
+                        continue
+                    if not _groups_ok(F[i:i2] + B[j:j2]):
+                        break
+                    path.append((i, i2, j, j2))
+                    rec(i2, j2, acc + c(i, i2, j, j2), path)
+                    path.pop()
+
+        rec(0, 0, 0.0, [])
+    p = None
+    if best[1] is not None:
+        p = Plan(layer.signature(), [o.name for o in layer.forward],
+                 [o.name for o in layer.backward], best[1],
+                 {"made_by": "dhelix.planner.dp.brute_force", "predicted_s": best[0]})
+    return BruteResult(best[0], p, count[0])
+
+
+def _as_random(rng) -> random.Random:
+    if isinstance(rng, random.Random):
+        return rng
+    if rng is None or isinstance(rng, int):
+        return random.Random(rng)
+    if hasattr(rng, "integers"):          # numpy Generator
+        return random.Random(int(rng.integers(0, 2**63 - 1)))
+    raise TypeError(f"rng must be an int seed, random.Random or numpy Generator, not {type(rng)}")
+
+
+def _repair_order(B: List[OpSpec]) -> List[OpSpec]:
+    """Keep the order of B, but hold back each floating op until the op it must follow
+    (its `after`, which may itself be a floating op that moved) has been placed."""
+    out: List[OpSpec] = []
+    placed = set()
+    waiting: Dict[str, List[OpSpec]] = {}
+
+    def emit(o):
+        out.append(o)
+        placed.add(o.name)
+        for d in waiting.pop(o.name, []):
+            emit(d)
+
+    for o in B:
+        if o.wgrad and o.after is not None and o.after not in placed:
+            waiting.setdefault(o.after, []).append(o)
+        else:
+            emit(o)
+    return out
+
+
+def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
+                      pair_prob: float = 0.6) -> Plan:
+    """A random legal plan: random segment cuts, random pairing, and (with probability
+    ``defer_prob``) some wgrad ops moved later than right after their dgrad."""
+    r = _as_random(rng)
+    F = list(layer.forward)
+    B = list(layer.backward)
+    if r.random() < defer_prob:
+        for w in [o for o in layer.backward if o.wgrad and o.after is not None]:
+            if r.random() < 0.5:
+                continue
+            B.remove(w)
+            pos = next(k for k, o in enumerate(B) if o.name == w.after)
+            # pos + 1 is its place right after the dgrad: go strictly later when possible
+            B.insert(r.randint(pos + 2, len(B)) if pos + 2 <= len(B) else pos + 1, w)
+        B = _repair_order(B)
+    n, m = len(F), len(B)
+
+    def seg_len(ops, start, taken):
+        groups = set(taken)
+        k = start
+        while k < len(ops):
+            o = ops[k]
+            if o.kind == COMM and o.group is not None:
+                if o.group in groups:
+                    break
+                groups.add(o.group)
+            k += 1
+        return k - start
+
+    def groups_of(ops):
+        return {o.group for o in ops if o.kind == COMM and o.group is not None}
+
+    steps: List[Step] = []
+    i = j = 0
+    while i < n or j < m:
+        if i < n and j < m:
+            u = r.random()
+            action = "fb" if u < pair_prob else ("f" if u < pair_prob + (1 - pair_prob) / 2
+                                                 else "b")
+        else:
+            action = "f" if i < n else "b"
+        fseg: List[OpSpec] = []
+        bseg: List[OpSpec] = []
+        if action in ("f", "fb"):
+            k = r.randint(1, min(seg_len(F, i, ()), 1 + int(r.expovariate(0.4))))
+            fseg = F[i:i + k]
+        if action in ("b", "fb"):
+            room = seg_len(B, j, groups_of(fseg))
+            if room == 0:
+                if not fseg:
+                    room = 1          # cannot happen: one op alone is always legal
+                else:
+                    room = -1
+            if room > 0:
+                k = r.randint(1, min(room, 1 + int(r.expovariate(0.4))))
+                bseg = B[j:j + k]
+        steps.append(Step([o.name for o in fseg], [o.name for o in bseg]))
+        i += len(fseg)
+        j += len(bseg)
+    p = Plan(layer.signature(), [o.name for o in layer.forward],
+             [o.name for o in layer.backward], steps, {"made_by": "dhelix.planner.dp.random"})
+    validate(p, layer)
+    return p
