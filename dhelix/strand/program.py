@@ -137,40 +137,44 @@ class LayerProgram:
             b.append(M("ag_mlp_b", self._gather("g_mlp_out", "g_fc2_out", "ag_mlp_b"),
                        "all_gather"))
         b += [C("fc2_dgrad", self._fc2_dgrad), W("fc2_wgrad", self._fc2_wgrad, "fc2_dgrad"),
-              C("act_b", self._act_b), C("fc1_dgrad", self._fc1_dgrad)]
-        b += self._col_wgrad("mlp", "ln2", "fc1_dgrad", "fc1_wgrad", self._fc1_wgrad)
-        if sp:
-            b.append(M("rs_mlp_b", self._rscatter("g_ln2_full", "g_ln2", "rs_mlp_b"),
-                       "reduce_scatter"))
-        elif tp > 1:
-            b.append(M("ar_mlp_b", self._allreduce("g_ln2_full", "g_ln2", "ar_mlp_b"),
-                       "all_reduce"))
+              C("act_b", self._act_b)]
+        b += self._column_backward("mlp", "ln2", "act_b", "fc1", self._fc1_dgrad,
+                                   self._fc1_wgrad, "g_ln2_full", "g_ln2")
         b += [C("ln_mlp_b", self._ln_mlp_b), C("bda_attn_b", self._bda_attn_b)]
         if sp:
             b.append(M("ag_attn_b", self._gather("g_attn_out", "g_proj_out", "ag_attn_b"),
                        "all_gather"))
         b += [C("proj_dgrad", self._proj_dgrad),
-              W("proj_wgrad", self._proj_wgrad, "proj_dgrad"),
-              C("attn_b", self._attn_b), C("qkv_dgrad", self._qkv_dgrad)]
-        b += self._col_wgrad("attn", "ln1", "qkv_dgrad", "qkv_wgrad", self._qkv_wgrad)
-        if sp:
-            b.append(M("rs_attn_b", self._rscatter("g_ln1_full", "g_ln1", "rs_attn_b"),
-                       "reduce_scatter"))
-        elif tp > 1:
-            b.append(M("ar_attn_b", self._allreduce("g_ln1_full", "g_ln1", "ar_attn_b"),
-                       "all_reduce"))
+              W("proj_wgrad", self._proj_wgrad, "proj_dgrad"), C("attn_b", self._attn_b)]
+        b += self._column_backward("attn", "ln1", "attn_b", "qkv", self._qkv_dgrad,
+                                   self._qkv_wgrad, "g_ln1_full", "g_ln1")
         b.append(C("ln_attn_b", self._ln_attn_b))
         return f, b
 
-    def _col_wgrad(self, part, key, dgrad, name, fn):
-        """A column-parallel linear's wgrad, preceded under SP by the re-gather of its
-        input; both may float to any later point of the layer's backward."""
-        if not self.sp:
-            return [Op(OpSpec(name, COMPUTE, "compute", wgrad=True, after=dgrad), fn)]
-        ag = f"ag_{part}_w"
-        return [Op(OpSpec(ag, COMM, self.lane, group="tp", collective="all_gather",
-                          wgrad=True, after=dgrad), self._gather(key, key + "_w", ag)),
-                Op(OpSpec(name, COMPUTE, "compute", wgrad=True, after=ag), fn)]
+    def _column_backward(self, part, key, grad_op, lin, dgrad_fn, wgrad_fn, g_full, g_local):
+        """A column-parallel linear's backward in megatron's order: (SP: start the
+        re-gather of its input), dgrad, start the reduce-scatter / all-reduce of the
+        input grad, wgrad while it runs. The re-gather and the wgrad only need the
+        output grad (from `grad_op`) and may float to any later point of the backward."""
+        C = lambda name, fn: Op(OpSpec(name, COMPUTE, "compute"), fn)  # noqa
+        ops, after = [], grad_op
+        if self.sp:
+            ag = f"ag_{part}_w"
+            ops.append(Op(OpSpec(ag, COMM, self.lane, group="tp", collective="all_gather",
+                                 wgrad=True, after=grad_op), self._gather(key, key + "_w", ag)))
+            after = ag
+        ops.append(C(f"{lin}_dgrad", dgrad_fn))
+        if self.sp:
+            ops.append(Op(OpSpec(f"rs_{part}_b", COMM, self.lane, group="tp",
+                                 collective="reduce_scatter"),
+                          self._rscatter(g_full, g_local, f"rs_{part}_b")))
+        elif self.tp > 1:
+            ops.append(Op(OpSpec(f"ar_{part}_b", COMM, self.lane, group="tp",
+                                 collective="all_reduce"),
+                          self._allreduce(g_full, g_local, f"ar_{part}_b")))
+        ops.append(Op(OpSpec(f"{lin}_wgrad", COMPUTE, "compute", wgrad=True, after=after),
+                      wgrad_fn))
+        return ops
 
     # ---- comm ops ------------------------------------------------------------------------
     def _gather(self, src, dst, op):
@@ -309,11 +313,13 @@ class LayerProgram:
 
     def _fc1_dgrad(self, S):
         S.put("g_ln2_full", S.get("g_fc1_out").matmul(self.w_fc1))
+        S.consume("g_fc1_out", "fc1_dgrad", ("fc1_dgrad", "fc1_wgrad"))
 
     def _fc1_wgrad(self, S):
         _, gw = _wgrad(S.get("g_fc1_out"), S.get("ln2_w" if self.sp else "ln2"))
         S.acc_grad(self.w_fc1, gw)
-        S.drop("g_fc1_out", "ln2_w", "ln2")
+        S.consume("g_fc1_out", "fc1_wgrad", ("fc1_dgrad", "fc1_wgrad"))
+        S.drop("ln2_w", "ln2")
 
     def _ln_mlp_b(self, S):
         (g,) = self._grad(S, "g:ln2", S.get("g_ln2" if self.tp > 1 else "g_ln2_full"),
@@ -344,13 +350,15 @@ class LayerProgram:
 
     def _qkv_dgrad(self, S):
         S.put("g_ln1_full", S.get("g_qkv").matmul(self.w_qkv))
+        S.consume("g_qkv", "qkv_dgrad", ("qkv_dgrad", "qkv_wgrad"))
 
     def _qkv_wgrad(self, S):
         g2, gw = _wgrad(S.get("g_qkv"), S.get("ln1_w" if self.sp else "ln1"))
         S.acc_grad(self.w_qkv, gw)
         if self.b_qkv is not None:
             S.acc_grad(self.b_qkv, g2.sum(dim=0))
-        S.drop("g_qkv", "ln1_w", "ln1")
+        S.consume("g_qkv", "qkv_wgrad", ("qkv_dgrad", "qkv_wgrad"))
+        S.drop("ln1_w", "ln1")
 
     def _ln_attn_b(self, S):
         (g,) = self._grad(S, "g:ln1", S.get("g_ln1" if self.tp > 1 else "g_ln1_full"),

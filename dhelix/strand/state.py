@@ -55,6 +55,14 @@ class StrandState:
             self._v.pop(k, None)
             self._tokens.pop(k, None)
 
+    def consume(self, key: str, reader: str, readers) -> None:
+        """Drop `key` once every op in `readers` has read it (they may run in any order,
+        e.g. a dgrad and its deferred wgrad)."""
+        done = self._v.setdefault(f"_read:{key}", set())
+        done.add(reader)
+        if done >= set(readers):
+            self.drop(key, f"_read:{key}")
+
     def clear(self) -> None:
         self._v.clear()
         self._tokens.clear()

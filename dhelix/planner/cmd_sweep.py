@@ -1,0 +1,181 @@
+"""`dhelix plan-sweep`: plan many model shapes x clusters with analytical costs.
+
+For every (model config, cluster) it runs the planner and reports the predicted speed-up over
+the trivial plan as a markdown table, a JSON file and a grouped bar chart; failing
+combinations are listed in the table and make the exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, List, Optional
+
+from dhelix.planner.cli import (DEFAULT_CLUSTERS, CliError, _add_planner_args, _dtype,
+                                _expected_errors, _fail, _readable_budget_error, _split_list,
+                                fmt_bytes, fmt_time, layer_for_shape, load_costs, parse_bytes,
+                                resolve_cluster, shapes_only_configs)
+
+
+def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, mbs: int,
+          bf16: bool, lane: str = "intra", memory_budget: Optional[float] = None,
+          backend: str = "auto", progress: bool = True) -> List[Dict]:
+    """One row per (config, cluster): predicted and trivial step time, speedup, or error."""
+    from tqdm import tqdm
+    rows = []
+    combos = [(c, k) for c in configs for k in clusters]
+    layers: Dict[str, object] = {}
+    errors = _expected_errors()
+    bar = tqdm(combos, desc="plan-sweep", unit="plan", disable=not progress, file=sys.stderr)
+    for cfg, clu in bar:
+        bar.set_postfix_str(f"{cfg} on {clu}")
+        shape = {"config": cfg, "tp": tp, "sp": sp and tp > 1, "seq": seq, "mbs": mbs,
+                 "bf16": bf16, "lane": lane}
+        row = {"config": cfg, "cluster": clu, "shape": shape}
+        try:
+            from dhelix.planner import dp
+            if cfg not in layers:
+                layers[cfg] = layer_for_shape(shape)
+            layer = layers[cfg]
+            costs, src = load_costs(layer, shape, None, clu, False)
+            p = dp.plan(layer, costs, memory_budget_bytes=memory_budget, backend=backend)
+            m = p.meta
+            row.update(predicted_s=m["predicted_s"], trivial_predicted_s=m["trivial_predicted_s"],
+                       speedup=m["speedup_vs_trivial"], steps=len(p.steps),
+                       paired=p.num_paired(), peak_bytes=m.get("predicted_peak_bytes"),
+                       planning_time_s=m["planning_time_s"], backend=m["backend"],
+                       cost_source=src)
+        except errors as e:
+            row["error"] = " ".join(str(_readable_budget_error(e)).split())
+        rows.append(row)
+    bar.close()
+    return rows
+
+
+def sweep_markdown(rows: List[Dict]) -> str:
+    head = ["config", "cluster", "plan step", "trivial step", "speedup", "steps (paired)",
+            "peak mem", "planning"]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["config"], r["cluster"], "error: " + r["error"], "", "", "", "", ""])
+            continue
+        body.append([r["config"], r["cluster"], fmt_time(r["predicted_s"]),
+                     fmt_time(r["trivial_predicted_s"]), f"{r['speedup']:.3f}x",
+                     f"{r['steps']} ({r['paired']})", fmt_bytes(r["peak_bytes"]),
+                     f"{r['planning_time_s'] * 1e3:.1f} ms ({r['backend']})"])
+    w = [max(len(x[i]) for x in body + [head]) for i in range(len(head))]
+    lines = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |",
+             "|" + "|".join("-" * (w[i] + 2) for i in range(len(head))) + "|"]
+    for x in body:
+        lines.append("| " + " | ".join(v.ljust(w[i]) for i, v in enumerate(x)) + " |")
+    return "\n".join(lines)
+
+
+def sweep_chart(rows: List[Dict], path: str, title: str) -> None:
+    """Grouped bars: one group per model config, one bar per cluster; height = speedup."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    clusters = list(dict.fromkeys(r["cluster"] for r in rows))
+    val = {(r["config"], r["cluster"]): r.get("speedup") for r in rows}
+    width = 0.8 / max(1, len(clusters))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(configs) + 2), 4))
+    for k, clu in enumerate(clusters):
+        xs = [i + (k - (len(clusters) - 1) / 2) * width for i in range(len(configs))]
+        ys = [val.get((c, clu)) or 0.0 for c in configs]
+        bars = ax.bar(xs, ys, width, label=clu)
+        for b, y in zip(bars, ys):
+            if y:
+                ax.text(b.get_x() + b.get_width() / 2, y, f"{y:.2f}", ha="center",
+                        va="bottom", fontsize=6)
+    ax.axhline(1.0, color="gray", linewidth=0.6, linestyle="--")
+    ax.set_xticks(range(len(configs)))
+    ax.set_xticklabels(configs, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("predicted speedup vs trivial plan")
+    ys_all = [v for v in val.values() if v]
+    lo = min(ys_all + [1.0])
+    hi = max(ys_all + [1.0])
+    ax.set_ylim(max(0.0, lo - 0.1 * (hi - lo + 0.1)), hi + 0.15 * (hi - lo + 0.1))
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_plan_sweep(a, argv) -> int:
+    try:
+        configs = _split_list(a.configs) or shapes_only_configs()
+        clusters = _split_list(a.clusters) or list(DEFAULT_CLUSTERS)
+        for clu in clusters:                    # fail fast on a bad cluster name
+            resolve_cluster(clu)
+        for flag, v in (("--tensor-model-parallel-size", a.tensor_model_parallel_size),
+                        ("--seq-length", a.seq_length), ("--micro-batch-size",
+                                                         a.micro_batch_size)):
+            if v <= 0:
+                raise CliError(f"{flag} must be a positive integer, got {v}")
+        budget = None if a.memory_budget is None else parse_bytes(a.memory_budget)
+    except _expected_errors() as e:
+        return _fail("plan-sweep", e)
+    tp, sp = a.tensor_model_parallel_size, a.sequence_parallel
+    rows = sweep(configs, clusters, tp, sp, a.seq_length, a.micro_batch_size, a.bf16,
+                 a.lane, budget, a.backend, progress=not a.no_progress)
+    setting = (f"TP={tp}{', SP' if sp and tp > 1 else ''}, seq {a.seq_length}, "
+               f"mbs {a.micro_batch_size}, {_dtype(a.bf16)}, lane {a.lane}")
+    print(f"dhelix plan-sweep: {len(configs)} configs x {len(clusters)} clusters at {setting}; "
+          f"analytical costs; predicted layer-step time (one α forward + one β backward)")
+    print()
+    print(sweep_markdown(rows))
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        best = max(ok, key=lambda r: r["speedup"])
+        print()
+        print(f"best: {best['config']} on {best['cluster']} at {best['speedup']:.3f}x; "
+              f"total planning time {sum(r['planning_time_s'] for r in ok) * 1e3:.1f} ms")
+    try:
+        with open(a.json, "w") as f:
+            json.dump({"format": "dhelix.plan-sweep", "setting": {
+                "tp": tp, "sp": sp and tp > 1, "seq": a.seq_length, "mbs": a.micro_batch_size,
+                "bf16": a.bf16, "lane": a.lane, "memory_budget_bytes": budget,
+                "backend": a.backend}, "rows": rows}, f, indent=1)
+        sweep_chart(rows, a.png, f"DHelix planner, predicted speedup vs trivial plan ({setting})")
+    except OSError as e:
+        return _fail("plan-sweep", CliError(f"cannot write output: {e}"))
+    print(f"wrote {a.json} and {a.png}")
+    bad = [r for r in rows if "error" in r]
+    if bad:
+        print(f"dhelix plan-sweep: error: {len(bad)} of {len(rows)} combinations failed "
+              f"(see the table)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(sub) -> None:
+    w = sub.add_parser("plan-sweep", help="plan many model shapes x clusters; predicted "
+                                          "speedups as a table, JSON and bar chart",
+                       description="Run the planner with analytical costs for every model "
+                                   "config x cluster and report the predicted speedup of the "
+                                   "plan over the trivial plan.")
+    w.add_argument("--configs", nargs="+", default=None, metavar="NAME",
+                   help="model configs (space or comma separated; default: every "
+                        "shapes_only config)")
+    w.add_argument("--clusters", nargs="+", default=None, metavar="NAME",
+                   help=f"clusters (default: {' '.join(DEFAULT_CLUSTERS)})")
+    w.add_argument("--tensor-model-parallel-size", type=int, default=8, metavar="N",
+                   help="default 8")
+    w.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                   help="sequence parallelism (default on; --no-sequence-parallel turns it off)")
+    w.add_argument("--seq-length", type=int, default=4096, metavar="S", help="default 4096")
+    w.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="default 1")
+    w.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                   help="bf16 (default on; --no-bf16 for fp32)")
+    w.add_argument("--lane", choices=("intra", "inter"), default="intra")
+    _add_planner_args(w)
+    w.add_argument("--json", default="plan-sweep.json", metavar="PATH",
+                   help="results JSON (default plan-sweep.json)")
+    w.add_argument("--png", default="plan-sweep.png", metavar="PATH",
+                   help="bar chart (default plan-sweep.png)")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
+    w.set_defaults(func=cmd_plan_sweep)
