@@ -138,13 +138,13 @@ def run(a, argv) -> int:
                         out = os.path.join(work, f"{cfg}-{link}-{method}.json")
                         trace = os.path.join(work, f"{cfg}-{link}-trace.json")
                         bar.set_postfix_str(f"{cfg} {link} {method}")
-                        rc = spawn_local(a.nproc, _argv(a, cfg, out, method, cluster, trace),
-                                         prefix=prefix, extra_env=env, timeout_s=1800,
-                                         quiet=True)
+                        train_argv = _argv(a, cfg, out, method, cluster, trace)
+                        rc = spawn_local(a.nproc, train_argv, prefix=prefix, extra_env=env,
+                                         timeout_s=1800, quiet=True)
                         if rc != 0:
-                            raise RuntimeError(f"{cfg} {link} {method}: ranks failed "
-                                               f"(exit {rc}); rerun that `dhelix train` "
-                                               f"line to see why")
+                            raise RuntimeError(
+                                f"{cfg} {link} {method}: ranks failed (exit {rc}); the run "
+                                f"was: dhelix {' '.join(train_argv)} --nproc {a.nproc}")
                         with open(out) as f:
                             res[method] = json.load(f)
                         bar.update(1)

@@ -66,7 +66,7 @@ class ModelConfig:
 
 def resolve_config_path(name_or_path: str) -> str:
     """`tiny` -> configs/models/tiny.yaml; a path is taken as given."""
-    if os.path.exists(name_or_path):
+    if os.path.isfile(name_or_path):
         return name_or_path
     candidate = os.path.join(CONFIG_DIR, name_or_path + ".yaml")
     if os.path.exists(candidate):
