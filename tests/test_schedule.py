@@ -94,3 +94,15 @@ def test_megatron_arg_provider_parses_every_flag(tmp_path):
     with pytest.raises(DHelixArgError, match="--dhelix-fold .* needs "
                                              "--pipeline-model-parallel-size > 1"):
         check_dhelix_args(p.parse_args(["--dhelix", "--dhelix-fold"]))
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_plans_train_like_baseline(tmp_path, seed):
+    from train_fns import write_random_plan
+    plan = str(tmp_path / f"random{seed}.json")
+    run_ranks(write_random_plan, 2, plan, "tiny-llama", seed, timeout=200)
+    kw = dict(config="tiny-llama", tensor_model_parallel_size=2, sequence_parallel=True,
+              train_iters=5, global_batch_size=6)
+    base = run_ranks(train_result, 2, timeout=300, **kw)[0]
+    dh = run_ranks(train_result, 2, timeout=300, dhelix={"enabled": True, "plan": plan}, **kw)[0]
+    _same(base["losses"], dh["losses"])

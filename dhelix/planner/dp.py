@@ -36,9 +36,7 @@ try:  # the compiled core is optional
 except ImportError:  # pragma: no cover - depends on the build
     _core = None
 
-INF = float("inf")
-StepCost = Callable[[List[OpSpec], List[OpSpec]], float]
-StepIdx = Tuple[int, int, int, int]      # (i, i', j, j'): F[i:i'] with B[j:j']
+from dhelix.planner.enumerate import INF, StepCost, StepIdx  # noqa: E402  (shared types)
 
 
 def cpp_available() -> bool:

@@ -3,11 +3,13 @@ backward orders, and random legal plans (for equivalence tests and model validat
 from __future__ import annotations
 
 import random
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dhelix.planner.opspec import COMM, LayerOps, OpSpec
 from dhelix.planner.plan import Plan, PlanError, Step, validate
-from dhelix.planner.dp import INF, StepCost, StepIdx
+INF = float("inf")
+StepCost = Callable[[List[OpSpec], List[OpSpec]], float]
+StepIdx = Tuple[int, int, int, int]      # (i, i', j, j'): F[i:i'] with B[j:j']
 
 class BruteResult:
     def __init__(self, best_cost: float, best_plan: Optional[Plan], count: int):
