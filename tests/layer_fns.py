@@ -80,6 +80,19 @@ def dhelix_step(dh, plan, x_a, x_b, g_b, rope, seq, mbs):
     return Sa.get("out"), Sb.get("g_x"), grads
 
 
+def earliest_wgrad_plan(ops):
+    """Every floating op as early as the validator allows (right after its `after`):
+    e.g. fc1_wgrad before fc1_dgrad, which random plans (they only defer) never do."""
+    from dhelix.planner.plan import Plan, Step, split_segments
+    order = [o for o in ops.backward if not o.wgrad]
+    for w in [o for o in ops.backward if o.wgrad]:
+        order.insert(next(k for k, o in enumerate(order) if o.name == w.after) + 1, w)
+    steps = [Step(fwd=s) for s in split_segments(ops.forward)] + \
+        [Step(bwd=s) for s in split_segments(order)]
+    return Plan(ops.signature(), [o.name for o in ops.forward],
+                [o.name for o in ops.backward], steps, {"made_by": "earliest-wgrad"})
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
@@ -99,8 +112,8 @@ def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5):
     r_out, r_gx, r_grads = reference(ref, x_a, x_b, g_b, rope)
     ops = dh.program.layer_ops(seq, mbs)
     rng = random.Random(seed)
-    plans = [trivial_plan(ops), paired_plan(ops)] + [random_legal_plan(ops, rng)
-                                                   for _ in range(nplans)]
+    plans = [trivial_plan(ops), paired_plan(ops), earliest_wgrad_plan(ops)] + \
+        [random_legal_plan(ops, rng) for _ in range(nplans)]
     worst = 0.0
     base = None
     identical = True
