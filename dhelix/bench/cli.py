@@ -5,8 +5,9 @@ GPT is trained for the same steps by
   1. megatron-core (baseline),
   2. the intra-batch overlap peer (two half micro-batches, round-robin),
   3. DHelix with the trivial plan (nothing paired: DHelix's own overheads),
-  4. DHelix with the planner's plan (DP over an analytical model of this machine: GEMM
-     throughput measured here, the link's rate),
+  4. DHelix with the planner's plan: the DP over a pairwise table `dhelix profile`
+     measured in the same namespace just before (or, with --planner-source analytical,
+     over an analytical model of this machine: GEMM rate measured here, the link's rate),
 and the table reports tokens/s, speedup over baseline, peak activation memory, the
 per-step lower bound max(compute, comm) + the rest, measured from the trivial run's
 trace, and the share of the baseline's exposed communication each method hid.
@@ -37,6 +38,10 @@ def register(sub):
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--num-microbatches", type=int, default=4)
     p.add_argument("--train-iters", type=int, default=6)
+    p.add_argument("--planner-source", choices=["table", "analytical"], default="table",
+                   help="plan 4 from a pairwise table profiled in the same namespace just "
+                        "before (DHelix's way), or from the analytical model of this machine")
+    p.add_argument("--profile-repeats", type=int, default=3)
     p.add_argument("--out", default="bench", help="prefix for .md, .json and .png")
     p.set_defaults(func=run)
 
@@ -95,8 +100,16 @@ def _argv(a, cfg, out_json, method, cluster, trace):
     elif method == "dhelix-trivial":
         argv += ["--dhelix", "--dhelix-plan", "trivial", "--dhelix-trace", trace]
     elif method == "dhelix-plan":
-        argv += ["--dhelix", "--dhelix-cluster", cluster]
+        argv += ["--dhelix"] + (["--dhelix-overlap-table", cluster]
+                                if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
     return argv
+
+
+def _profile_argv(a, cfg, out_table):
+    return ["profile", "--config", cfg, "--tensor-model-parallel-size",
+            str(a.tensor_model_parallel_size), "--sequence-parallel", "--seq-length",
+            str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size), "--warmup", "1",
+            "--repeats", str(a.profile_repeats), "--out", out_table]
 
 
 def _trace_totals(path: str) -> Dict[str, float]:
@@ -124,15 +137,26 @@ def run(a, argv) -> int:
         if l != "none":
             link_GBps(l)
     work = tempfile.mkdtemp(prefix="dhelix-bench-")
+    log = os.path.join(work, "runs.log")
     rows: List[dict] = []
-    bar = tqdm(total=len(configs) * len(links) * len(METHODS), desc="dhelix bench",
-               unit="run")
+    per = len(METHODS) + (a.planner_source == "table")
+    bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
         for link in links:
             with SlowLink(link) as prefix:
                 env = {"DHELIX_LINK": link, "TORCH_CPP_LOG_LEVEL": "ERROR"}
                 for cfg in configs:
-                    cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))
+                    if a.planner_source == "table":
+                        cluster = os.path.join(work, f"table-{cfg}-{link}.json")
+                        bar.set_postfix_str(f"{cfg} {link} profile")
+                        rc = spawn_local(a.nproc, _profile_argv(a, cfg, cluster), prefix=prefix,
+                                         extra_env=env, timeout_s=3600, log=log)
+                        if rc != 0:
+                            raise RuntimeError(f"{cfg} {link}: dhelix profile failed "
+                                               f"(exit {rc}); see {log}")
+                        bar.update(1)
+                    else:
+                        cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))
                     res = {}
                     for method in METHODS:
                         out = os.path.join(work, f"{cfg}-{link}-{method}.json")
@@ -140,11 +164,11 @@ def run(a, argv) -> int:
                         bar.set_postfix_str(f"{cfg} {link} {method}")
                         train_argv = _argv(a, cfg, out, method, cluster, trace)
                         rc = spawn_local(a.nproc, train_argv, prefix=prefix, extra_env=env,
-                                         timeout_s=1800, quiet=True)
+                                         timeout_s=1800, log=log)
                         if rc != 0:
                             raise RuntimeError(
-                                f"{cfg} {link} {method}: ranks failed (exit {rc}); the run "
-                                f"was: dhelix {' '.join(train_argv)} --nproc {a.nproc}")
+                                f"{cfg} {link} {method}: ranks failed (exit {rc}); see {log}; "
+                                f"the run was: dhelix {' '.join(train_argv)} --nproc {a.nproc}")
                         with open(out) as f:
                             res[method] = json.load(f)
                         bar.update(1)

@@ -82,11 +82,12 @@ def free_port() -> int:
 
 def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                 extra_env: Optional[dict] = None, prefix: Optional[List[str]] = None,
-                quiet: bool = False) -> int:
+                log: Optional[str] = None) -> int:
     """Run `python -m dhelix.cli argv` as `nproc` local ranks; if one rank fails, stop the
     others and return its exit code (no rank is left hanging)."""
     port = free_port()
     procs = []
+    sink = open(log, "a") if log else None     # ranks' output goes to a log file
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
@@ -95,7 +96,7 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
         env.update(extra_env or {})
         procs.append(subprocess.Popen(list(prefix or []) + [sys.executable, "-m", "dhelix.cli"]
                                       + argv, env=env,
-                                      stdout=subprocess.DEVNULL if quiet else None))
+                                      stdout=sink, stderr=sink))
     start = time.time()
     rc = 0
     try:
@@ -122,4 +123,6 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        if sink is not None:
+            sink.close()
     return rc
