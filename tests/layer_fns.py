@@ -189,3 +189,10 @@ def different_plans_on_ranks():
     plan = trivial_plan(ops) if dist.get_rank() == 0 else paired_plan(ops)
     check_same_plan_across_ranks(plan, f"plan-rank{dist.get_rank()}.json")
     return "no error"
+
+
+def comm_lanes():
+    """Lanes of the layer's comm ops under the node layout in DHELIX_NODE_IDS."""
+    _, dh, _, _ = setup_layer("tiny", 2, True)
+    return sorted({o.spec.lane for o in dh.program.forward_ops + dh.program.backward_ops
+                   if o.spec.kind == "comm"})

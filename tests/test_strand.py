@@ -129,3 +129,9 @@ def test_plan_file_roundtrip_and_corruption(tmp_path):
         Plan.load(str(path))
     with pytest.raises(PlanError, match="plan file not found"):
         Plan.load(str(tmp_path / "none.json"))
+
+
+def test_lane_follows_node_membership():
+    same = run_ranks(layer_fns.comm_lanes, 2, timeout=120, env={"DHELIX_NODE_IDS": "0,0"})
+    split = run_ranks(layer_fns.comm_lanes, 2, timeout=120, env={"DHELIX_NODE_IDS": "0,1"})
+    assert same[0] == ["intra"] and split[0] == ["inter"]

@@ -228,8 +228,10 @@ def train(cfg: TrainConfig) -> dict:
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at iteration {it + 1}")
         if rank0 and (it + 1) % cfg.log_interval == 0:
+            peak = peak_memory_bytes(info.device)["activations"]
             print(f" iter {it + 1:4d}/{cfg.train_iters} | loss {loss:.6f} | "
-                  f"{tokens_per_step / dt:9.0f} tokens/s | {dt * 1000:7.1f} ms", flush=True)
+                  f"{tokens_per_step / dt:9.0f} tokens/s | {dt * 1000:7.1f} ms | "
+                  f"peak act. {peak / 2**20:.2f} MiB", flush=True)
     eval_loss = None
     if cfg.eval_iters:
         model.eval()
