@@ -74,15 +74,24 @@ def cmd_train(a, argv) -> int:
             print(f"dhelix train: error: {e}", file=sys.stderr)
             return 2
         return spawn(a, argv)
-    try:
+    def body():
         from dhelix.megatron.args import check_dhelix_args
         check_dhelix_args(a)
         train(cfg)
-    except ValueError as e:   # ConfigError, PlanError, TableError, DHelixArgError
-        print(f"dhelix train: error: {e}", file=sys.stderr)
+    return run_here("train", body)
+
+
+def run_here(cmd: str, body) -> int:
+    """Run `body()` on this rank. Bad input (ConfigError, PlanError, TableError,
+    DHelixArgError: all ValueErrors) is a one-line error and exit 2; the process group is
+    torn down either way."""
+    import torch.distributed as dist
+    try:
+        body()
+    except ValueError as e:
+        print(f"dhelix {cmd}: error: {e}", file=sys.stderr)
         return 2
     finally:
-        import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -101,7 +101,7 @@ def rel(a, b):
 def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5):
     """Returns worst relative error vs megatron and whether all plans are bit-identical
     to the trivial plan."""
-    from dhelix.planner.dp import random_legal_plan
+    from dhelix.planner.enumerate import random_legal_plan
     from dhelix.planner.plan import paired_plan, trivial_plan
     import random
 

@@ -48,3 +48,13 @@ def test_install_hook_swaps_only_with_flag():
         uninstall()
     assert pipeline_parallel.get_forward_backward_func is before
     assert gpt_layer_specs.get_gpt_layer_local_spec().module is not DHelixLayer
+
+
+def test_cluster_by_name_or_path():
+    import pytest
+    from dhelix.megatron.args import DHelixArgError, check_dhelix_args
+    check_dhelix_args(_args("--dhelix", "--dhelix-cluster", "h100"))
+    check_dhelix_args(_args("--dhelix", "--dhelix-cluster", "configs/clusters/a40.yaml"))
+    with pytest.raises(DHelixArgError, match=r"--dhelix-cluster: cluster file 'nope' not "
+                                             r"found; .*a40, a800, h100"):
+        check_dhelix_args(_args("--dhelix", "--dhelix-cluster", "nope"))

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from dhelix.planner import dp
+from dhelix.planner import enumerate as enumerate_
 from dhelix.planner.costmodel import analytical_table, load_cluster
 from dhelix.planner.example_layer import random_layer, random_table, tp_sp_layer
 from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
@@ -32,7 +33,7 @@ def test_dp_matches_brute_force_table_costs():
         p = dp.plan(layer, table, backend="python")
         validate(p, layer)
         sc = dp.make_step_cost(layer, table)
-        best, best_plan, count = dp.brute_force(layer, sc)
+        best, best_plan, count = enumerate_.brute_force(layer, sc)
         assert count > 0
         validate(best_plan, layer)
         assert p.meta["predicted_s"] == pytest.approx(best, rel=1e-12, abs=1e-15), case
@@ -50,7 +51,7 @@ def test_dp_matches_brute_force_arbitrary_costs():
         sc = hash_cost(case)
         p = dp.plan(layer, step_cost=sc, backend="python")
         validate(p, layer)
-        best, _, _ = dp.brute_force(layer, sc)
+        best, _, _ = enumerate_.brute_force(layer, sc)
         assert dp.plan_cost(p, layer, sc) == pytest.approx(best, rel=1e-12)
 
 
@@ -60,8 +61,8 @@ def test_deferred_wgrad_space_is_a_superset():
         layer = random_layer(rng, n_fwd=3, n_bwd=4)
         table = random_table(layer, rng)
         sc = dp.make_step_cost(layer, table)
-        chain_best = dp.brute_force(layer, sc).best_cost
-        r = dp.brute_force(layer, sc, deferred_wgrad=True)
+        chain_best = enumerate_.brute_force(layer, sc).best_cost
+        r = enumerate_.brute_force(layer, sc, deferred_wgrad=True)
         assert r.best_cost <= chain_best
         validate(r.best_plan, layer)
 
@@ -112,7 +113,7 @@ def test_random_legal_plans_are_legal_and_defer_wgrad():
     deferred = paired = 0
     for _ in range(300):
         layer = random_layer(rng)
-        p = dp.random_legal_plan(layer, rng)
+        p = enumerate_.random_legal_plan(layer, rng)
         validate(p, layer)
         paired += p.num_paired() > 0
         order = [n for s in p.steps for n in s.bwd]
@@ -123,7 +124,7 @@ def test_random_legal_plans_are_legal_and_defer_wgrad():
     assert deferred >= 20 and paired >= 100
     big = tp_sp_layer(hidden=1024, ffn=4096, seq=1024, heads=16, tp=8)
     for seed in range(50):
-        validate(dp.random_legal_plan(big, seed), big)
+        validate(enumerate_.random_legal_plan(big, seed), big)
 
 
 def test_dp_never_worse_than_random_plans():
@@ -133,7 +134,7 @@ def test_dp_never_worse_than_random_plans():
         table = random_table(layer, rng)
         best = dp.plan(layer, table, backend="python").meta["predicted_s"]
         for _ in range(10):
-            rp = dp.random_legal_plan(layer, rng, defer_prob=0.0)
+            rp = enumerate_.random_legal_plan(layer, rng, defer_prob=0.0)
             assert best <= simulate(layer, rp, table).makespan * (1 + 1e-12)
 
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dhelix.planner import dp
+from dhelix.planner import enumerate as enumerate_
 from dhelix.planner.costmodel import load_cluster
 from dhelix.planner.costs import CostTable, TableError
 from dhelix.planner.example_layer import random_layer, random_table, tp_sp_layer
@@ -147,7 +148,7 @@ def test_work_conservation_random_plans():
     for _ in range(150):
         layer = random_layer(rng)
         table = random_table(layer, rng)
-        plan = dp.random_legal_plan(layer, rng)
+        plan = enumerate_.random_legal_plan(layer, rng)
         r = simulate(layer, plan, table)
         _check_events(layer, plan, table, r)
         assert r.peak_bytes >= sum(o.saved_bytes for o in layer.backward)
@@ -172,7 +173,7 @@ def test_outputs(tmp_path):
     rng = random.Random(3)
     layer = random_layer(rng, 5, 6)
     table = random_table(layer, rng)
-    r = simulate(layer, dp.random_legal_plan(layer, rng), table)
+    r = simulate(layer, enumerate_.random_legal_plan(layer, rng), table)
     png = tmp_path / "t.png"
     plot_timeline(r, str(png))
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
@@ -204,7 +205,7 @@ def test_cpp_step_matches_python_bitwise():
         model = LaneModel(layer, table)
         from dhelix.planner.dp import _Legality, _cpp_problem
         prob = _cpp_problem(model, _Legality(layer))
-        plan = dp.random_legal_plan(layer, rng)
+        plan = enumerate_.random_legal_plan(layer, rng)
         fpos = {n: k for k, n in enumerate(model.f_names)}
         bpos = {n: k for k, n in enumerate(model.b_names)}
         mem = model.base

@@ -16,7 +16,8 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dhelix-overlap-table", default=None, metavar="PATH",
                    help="pairwise overlap table (`dhelix profile` output) to plan from")
     g.add_argument("--dhelix-cluster", default=None, metavar="YAML",
-                   help="cluster file (configs/clusters/*.yaml) for the analytical model")
+                   help="cluster file or name (a40, a800, h100: configs/clusters/) for the "
+                        "analytical model")
     g.add_argument("--dhelix-memory-budget", type=float, default=None, metavar="BYTES",
                    help="reject plans whose simulated peak memory exceeds this")
     g.add_argument("--dhelix-fold", action="store_true",
@@ -46,6 +47,10 @@ def check_dhelix_args(args) -> None:
                        ("dhelix_cluster", "cluster file")):
         path = getattr(args, name, None)
         if name == "dhelix_plan" and path in ("trivial", "paired"):
+            continue
+        if name == "dhelix_cluster" and path:
+            from dhelix.models.config import find_named_yaml
+            find_named_yaml(path, "clusters", "--dhelix-cluster", "cluster", DHelixArgError)
             continue
         if path and not os.path.exists(path):
             raise DHelixArgError(f"--{name.replace('_', '-')} {path}: {what} file not found")

@@ -31,8 +31,11 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
                                        pairs="concurrent")
                 check_hardware(table, table_path, force)
             else:
-                from dhelix.planner.costmodel import analytical_table, load_cluster
-                table = analytical_table(layer_ops, load_cluster(cluster),
+                from dhelix.models.config import find_named_yaml
+                from dhelix.planner.costmodel import ClusterError, analytical_table, load_cluster
+                path = find_named_yaml(cluster, "clusters", "--dhelix-cluster", "cluster",
+                                       ClusterError)
+                table = analytical_table(layer_ops, load_cluster(path),
                                          {"tp": layer_ops.shape["tp"]},
                                          dtype="bf16" if layer_ops.shape["dtype_bytes"] == 2
                                          else "fp32")

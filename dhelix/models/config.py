@@ -7,8 +7,9 @@ from typing import Optional
 
 import yaml
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs", "models")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs")
+CONFIG_DIR = os.path.join(CONFIGS, "models")
 
 
 class ConfigError(ValueError):
@@ -64,17 +65,26 @@ class ModelConfig:
                 bad(f, "must be positive")
 
 
-def resolve_config_path(name_or_path: str) -> str:
-    """`tiny` -> configs/models/tiny.yaml; a path is taken as given."""
+def find_named_yaml(name_or_path: str, folder: str, flag: str, what: str,
+                    error=None) -> str:
+    """An existing file is taken as given; `name` means configs/<folder>/<name>.yaml.
+    Otherwise `error` (default ConfigError) names the flag and the known names."""
     if os.path.isfile(name_or_path):
         return name_or_path
-    candidate = os.path.join(CONFIG_DIR, name_or_path + ".yaml")
-    if os.path.exists(candidate):
+    d = os.path.join(CONFIGS, folder)
+    candidate = os.path.join(d, name_or_path + ".yaml")
+    if os.path.isfile(candidate):
         return candidate
-    known = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")) \
-        if os.path.isdir(CONFIG_DIR) else []
-    raise ConfigError(f"--config: model config file '{name_or_path}' not found; give a path to "
-                      f"a YAML file or one of: {', '.join(known)}")
+    known = sorted(f[:-5] for f in os.listdir(d) if f.endswith(".yaml")) \
+        if os.path.isdir(d) else []
+    raise (error or ConfigError)(
+        f"{flag}: {what} file '{name_or_path}' not found; give a path to a YAML file or one "
+        f"of: {', '.join(known) or '-'}")
+
+
+def resolve_config_path(name_or_path: str) -> str:
+    """`tiny` -> configs/models/tiny.yaml; a path is taken as given."""
+    return find_named_yaml(name_or_path, "models", "--config", "model config")
 
 
 def load_model_config(name_or_path: str) -> ModelConfig:

@@ -24,8 +24,6 @@ import re
 import sys
 from typing import List, Optional, Tuple
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLUSTER_DIR = os.path.join(_REPO, "configs", "clusters")
 DEFAULT_CLUSTERS = ("a40", "a800", "h100")
 
 
@@ -76,16 +74,9 @@ def fmt_time(s: Optional[float]) -> str:
 
 def resolve_cluster(name_or_path: str) -> str:
     """`h100` -> configs/clusters/h100.yaml; an existing path is taken as given."""
+    from dhelix.models.config import find_named_yaml
     from dhelix.planner.costmodel import ClusterError
-    if os.path.isfile(name_or_path):
-        return name_or_path
-    cand = os.path.join(CLUSTER_DIR, name_or_path + ".yaml")
-    if os.path.isfile(cand):
-        return cand
-    known = sorted(f[:-5] for f in os.listdir(CLUSTER_DIR) if f.endswith(".yaml")) \
-        if os.path.isdir(CLUSTER_DIR) else []
-    raise ClusterError(f"--cluster: cluster file '{name_or_path}' not found; give a path to a "
-                       f"YAML file or one of: {', '.join(known) or '-'}")
+    return find_named_yaml(name_or_path, "clusters", "--cluster", "cluster", ClusterError)
 
 
 def shapes_only_configs() -> List[str]:

@@ -354,8 +354,3 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
 
 
 # ---- brute force and random plans (tests, validation runs) ---------------------------------
-
-
-# brute force and random plans live in dhelix.planner.enumerate (re-exported here)
-from dhelix.planner.enumerate import (BruteResult, backward_orders, brute_force,  # noqa: E402,F401
-                                      random_legal_plan)

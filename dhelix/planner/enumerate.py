@@ -91,7 +91,7 @@ def brute_force(layer: LayerOps, step_cost: StepCost, deferred_wgrad: bool = Fal
     if best[1] is not None:
         p = Plan(layer.signature(), [o.name for o in layer.forward],
                  [o.name for o in layer.backward], best[1],
-                 {"made_by": "dhelix.planner.dp.brute_force", "predicted_s": best[0]})
+                 {"made_by": "dhelix.planner.enumerate.brute_force", "predicted_s": best[0]})
     return BruteResult(best[0], p, count[0])
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 
 def _add(sub, name, help_, func):
@@ -37,11 +36,12 @@ def _on_ranks(a, argv, body) -> int:
     if a.nproc:
         from dhelix.cli import spawn
         return spawn(a, argv)
-    import torch.distributed as dist
+    from dhelix.cli import run_here
     from dhelix.models.config import load_model_config
     from dhelix.profiler.harness import LayerHarness
     from dhelix.train.dist import init_distributed
-    try:
+
+    def on_rank():
         m = load_model_config(a.config)
         info = init_distributed()
         if info.world_size % a.tensor_model_parallel_size:
@@ -50,13 +50,7 @@ def _on_ranks(a, argv, body) -> int:
         h = LayerHarness(m, a.tensor_model_parallel_size, a.sequence_parallel, a.seq_length,
                          a.micro_batch_size, a.bf16, a.seed, info.device)
         body(h, m, info.rank == 0)
-    except ValueError as e:
-        print(f"dhelix {a.cmd}: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_here(a.cmd, on_rank)
 
 
 def cmd_profile(a, argv) -> int:

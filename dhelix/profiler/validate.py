@@ -38,13 +38,14 @@ def validate_model(harness, table, nplans: int = 30, warmup: int = 1, repeats: i
     from tqdm import tqdm
 
     from dhelix.planner import dp
+    from dhelix.planner import enumerate as enumerate_
     from dhelix.planner.plan import paired_plan, trivial_plan
     from dhelix.planner.simulate import simulate
 
     ops = harness.ops
     rng = random.Random(seed)
     plans = [trivial_plan(ops), paired_plan(ops), dp.plan(ops, table)]
-    plans += [dp.random_legal_plan(ops, rng) for _ in range(nplans)]
+    plans += [enumerate_.random_legal_plan(ops, rng) for _ in range(nplans)]
     names = ["trivial", "paired", "dp"] + [f"random{k}" for k in range(nplans)]
     predicted = [simulate(ops, p, table).makespan for p in plans]
     bar = tqdm(total=warmup + repeats, desc="dhelix validate-model (rounds of all plans)",
