@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
@@ -150,17 +149,8 @@ def _extra_commands():
     return out
 
 
-def quiet_library_warnings() -> None:
-    """megatron and torch warn about missing apex/TE and CUDA-only tuning on every rank."""
-    import warnings
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    for cat in (UserWarning, FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=cat, module=r"(megatron|torch)\.")
-    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine|apex).*")
-    warnings.filterwarnings("ignore", message=r".*deprecated.*")
-
-
 def main(argv: Optional[List[str]] = None) -> int:
+    from dhelix.base.warnings import quiet_library_warnings
     quiet_library_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)

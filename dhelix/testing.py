@@ -35,7 +35,7 @@ def _rank_main(fn, args, kwargs, rank, world, port, env, q):
         os.environ.update(env or {})
         import torch
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        from dhelix.cli import quiet_library_warnings
+        from dhelix.base.warnings import quiet_library_warnings
         quiet_library_warnings()
         from dhelix.train.dist import init_distributed
         init_distributed(timeout_s=float(os.environ.get("DHELIX_PG_TIMEOUT", "60")))

@@ -131,12 +131,14 @@ def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5):
             "missing_grads": missing, "num_ops": (len(ops.forward), len(ops.backward))}
 
 
-def check_autograd_path(config="tiny", tp=2, sp=True, seq=16, mbs=2, seed=5):
-    """The DHelix layer inside autograd (strand runner active) vs megatron's layer:
-    output, input grad and parameter .grad through AccumulateGrad."""
+def check_node_path(config="tiny", tp=2, sp=True, seq=16, mbs=2, seed=5, tiles=1):
+    """A layer node (forward on a detached input, explicit backward) vs megatron's layer:
+    output, input grad, and parameter .grad that arrived through AccumulateGrad. With
+    tiles=2: the intra-batch peer's two batch halves, round-robin."""
     from dhelix.planner.plan import paired_plan
-    from dhelix.strand.layer import use_runner
-    from dhelix.strand.runner import PlanBook, SoloRunner
+    from dhelix.strand.executor import run_layer_step, run_tiles
+    from dhelix.strand.lanes import make_lanes
+    from dhelix.strand.node import LayerNode
 
     ref, dh, cfg, rope = setup_layer(config, tp, sp, seed, seq, mbs)
     x = inputs(cfg, seq, mbs, seed + 1, sp)
@@ -145,9 +147,23 @@ def check_autograd_path(config="tiny", tp=2, sp=True, seq=16, mbs=2, seed=5):
     out_r, _ = ref(xr, attention_mask=None, rotary_pos_emb=rope)
     out_r.backward(g)
     xd = x.clone().requires_grad_()
-    with use_runner(SoloRunner(PlanBook(seq, mbs, make_plan=paired_plan))):
-        out_d, _ = dh(xd, attention_mask=None, rotary_pos_emb=rope)
-        out_d.backward(g)
+    emb = xd * 1.0                        # a graph below the node, as the embedding's
+    node = LayerNode(dh, emb, {"attention_mask": None, "rotary_pos_emb": rope},
+                     make_lanes(), tiles=tiles)
+    plan = paired_plan(dh.program.layer_ops(seq, mbs // tiles))
+    if tiles == 1:
+        run_layer_step(plan, fwd=(dh.program, node.states[0]))
+    else:
+        run_tiles(dh.program, node.states, "fwd")
+    out_d = node.finish_forward()
+    assert out_d.is_leaf and out_d.requires_grad
+    node.begin_backward(g)
+    if tiles == 1:
+        run_layer_step(plan, bwd=(dh.program, node.states[0]))
+    else:
+        run_tiles(dh.program, node.states, "bwd")
+    gx = node.finish_backward()
+    emb.backward(gx)                      # the pre-process node's part
     errs = {"out": rel(out_d, out_r), "gx": rel(xd.grad, xr.grad)}
     refp = dict(ref.named_parameters())
     for n, p in dh.named_parameters():

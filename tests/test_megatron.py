@@ -35,7 +35,7 @@ def test_install_hook_swaps_only_with_flag():
     from megatron.core.models.gpt import gpt_layer_specs
     from dhelix.megatron.install import install, uninstall
     from dhelix.strand.layer import DHelixLayer
-    from dhelix.strand.schedule import forward_backward_dhelix
+    from dhelix.schedules.dhelix import forward_backward_dhelix
     before = pipeline_parallel.get_forward_backward_func
     assert install(_args()) is False
     assert pipeline_parallel.get_forward_backward_func is before

@@ -9,7 +9,7 @@ from dhelix.models.config import load_model_config
 from dhelix.planner.cli import parse_bytes
 from dhelix.planner.costmodel import analytical_table, load_cluster
 from dhelix.planner.plan import Plan, validate
-from dhelix.strand.program import layer_ops_for_shape
+from dhelix.planner.shapes import layer_ops_for_shape
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--config", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",

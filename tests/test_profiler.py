@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from dhelix.planner.costs import CostTable
-from dhelix.strand.program import layer_ops_for_shape
+from dhelix.planner.shapes import layer_ops_for_shape
 from dhelix.models.config import load_model_config
 
 SHAPE = ["--config", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",

@@ -196,8 +196,8 @@ def test_table_checks_in_simulate():
         simulate(layer, paired(layer))
 
 
-def test_cpp_step_matches_python_bitwise():
-    core = pytest.importorskip("dhelix._planner_core")
+def test_cpp_step_matches_python_bitwise(cpp_core):
+    core = cpp_core
     rng = random.Random(7)
     for _ in range(300):
         layer = random_layer(rng)

@@ -30,9 +30,12 @@ def test_tp1_matches_megatron():
     assert res["worst_rel"] <= 1e-6 and res["identical"]
 
 
-@pytest.mark.parametrize("config,sp", [("tiny", True), ("tiny-llama", False)])
-def test_autograd_path_matches_megatron(config, sp):
-    errs = run_ranks(layer_fns.check_autograd_path, 2, timeout=200, config=config, sp=sp)[0]
+@pytest.mark.parametrize("config,sp,tiles", [("tiny", True, 1), ("tiny-llama", False, 1),
+                                             ("tiny-llama", True, 2)])
+def test_layer_node_matches_megatron(config, sp, tiles):
+    """Node forward + explicit backward (tiles=2: the intra-batch peer's halves)."""
+    errs = run_ranks(layer_fns.check_node_path, 2, timeout=200, config=config, sp=sp,
+                     tiles=tiles)[0]
     assert max(errs.values()) <= 1e-6, errs
 
 

@@ -26,7 +26,7 @@ def install(args) -> bool:
     from megatron.core.pipeline_parallel import schedules
 
     from dhelix.megatron.spec import with_dhelix_layer
-    from dhelix.strand.schedule import DHelixSchedule, forward_backward_dhelix
+    from dhelix.schedules.dhelix import DHelixSchedule, forward_backward_dhelix
 
     schedule = DHelixSchedule(dhelix_options(args))
 

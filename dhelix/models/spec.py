@@ -28,6 +28,29 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm as one autograd node, as the fused norms of TE and apex are (torch's CPU
+    rms_norm is a chain of small ops). One node means the input's gradient arrives as one
+    tensor, so where the input is also a residual, its two gradients are summed in one
+    order whatever the schedule — what lets DHelix's node backward be bit-identical."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).to(x.dtype) * weight
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        gw = (g * xhat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+        gxhat = (g * weight).float()
+        gx = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
+        return gx.to(x.dtype), gw, None
+
+
 class Norm(torch.nn.Module):
     """LayerNorm or RMSNorm (by `config.normalization`) that works with sequence parallel:
     its parameters are marked `sequence_parallel` so megatron all-reduces their grads."""
@@ -45,7 +68,7 @@ class Norm(torch.nn.Module):
 
     def forward(self, x):
         if self.rms:
-            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+            return _RMSNorm.apply(x, self.weight, self.eps)
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
 

@@ -164,7 +164,7 @@ def _shape_from_args(a) -> dict:
 def layer_for_shape(shape: dict):
     """LayerOps for a shape dict (config, tp, sp, seq, mbs, bf16, lane)."""
     from dhelix.models.config import ConfigError, load_model_config
-    from dhelix.strand.program import layer_ops_for_shape
+    from dhelix.planner.shapes import layer_ops_for_shape
     cfg = load_model_config(shape["config"])
     try:
         return layer_ops_for_shape(cfg, shape["tp"], shape["sp"], shape["seq"], shape["mbs"],

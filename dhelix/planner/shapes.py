@@ -5,7 +5,8 @@ so that a plan or table is tied (by the LayerOps signature) to the shape it was 
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Optional
 
 from dhelix.planner.opspec import LayerOps
 
@@ -53,15 +54,61 @@ def op_estimates(cfg, tp, sp, s, b):
     return e
 
 
-def estimate_layer_ops(forward_ops, backward_ops, cfg, tp, sp, s, b) -> LayerOps:
+def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b) -> LayerOps:
+    """Fill the chains' OpSpecs with the estimates for this shape."""
     est = op_estimates(cfg, tp, sp, s, b)
     dt = _sizes(cfg, tp, sp, s, b)["dt"]
 
-    def fill(op):
-        fl, cb, sb = est[op.name]
-        return replace(op.spec, flops=float(fl), comm_bytes=float(cb), saved_bytes=float(sb),
+    def fill(spec):
+        fl, cb, sb = est[spec.name]
+        return replace(spec, flops=float(fl), comm_bytes=float(cb), saved_bytes=float(sb),
                        temp_bytes=float(cb) if cb else 0.0)
-    lo = LayerOps([fill(o) for o in forward_ops], [fill(o) for o in backward_ops])
+    lo = LayerOps([fill(o) for o in forward], [fill(o) for o in backward])
     lo.shape = {"hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "seq": s, "mbs": b,
                 "tp": tp, "sp": sp, "dtype_bytes": dt}
     return lo
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The fields of megatron's TransformerConfig that the estimates read."""
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    kv_channels: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    gated_linear_unit: bool = False
+    bf16: bool = False
+    fp16: bool = False
+
+    @staticmethod
+    def of(cfg) -> "LayerShape":
+        """From a TransformerConfig (a live layer)."""
+        return LayerShape(cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size,
+                          cfg.kv_channels, cfg.num_query_groups, bool(cfg.gated_linear_unit),
+                          bool(cfg.bf16), bool(cfg.fp16))
+
+    @staticmethod
+    def of_model(m, bf16: bool = False) -> "LayerShape":
+        """From a ModelConfig, as megatron's TransformerConfig would fill it."""
+        return LayerShape(m.hidden_size, m.num_attention_heads, m.ffn_hidden_size,
+                          m.hidden_size // m.num_attention_heads, m.kv_groups,
+                          m.activation == "swiglu", bool(bf16), False)
+
+
+def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length: int,
+                        micro_batch_size: int, bf16: bool = False,
+                        lane: str = "intra") -> LayerOps:
+    """The same LayerOps a live DHelix layer of this shape reports, without building it
+    or any process group: for planning and simulating models and clusters you do not
+    have (`dhelix plan --config llama-8b --cluster h100`)."""
+    from dhelix.planner.chains import layer_chains
+    if tp < 1 or model_cfg.num_attention_heads % tp or model_cfg.ffn_hidden_size % tp \
+            or (model_cfg.kv_groups % tp and tp % model_cfg.kv_groups):
+        raise ValueError(f"heads ({model_cfg.num_attention_heads}), query groups "
+                         f"({model_cfg.kv_groups}) and ffn ({model_cfg.ffn_hidden_size}) "
+                         f"must split over TP={tp}")
+    sp = bool(sequence_parallel) and tp > 1
+    fwd, bwd = layer_chains(tp, sp, lane)
+    return estimate_layer_ops(fwd, bwd, LayerShape.of_model(model_cfg, bf16), tp, sp,
+                              seq_length, micro_batch_size)

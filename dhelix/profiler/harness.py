@@ -89,7 +89,7 @@ class LayerHarness:
         dist.barrier()
 
     def _max_across_ranks(self, v: float) -> float:
-        t = torch.tensor([v], dtype=torch.float64)
+        t = torch.tensor([v], dtype=torch.float64, device=self.device)   # NCCL: on device
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
 

@@ -7,28 +7,18 @@ provenance: shape, dtype, parallel sizes, node layout, hardware, versions) and C
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import socket
 
 import torch
 import torch.distributed as dist
 
+from dhelix.base.hardware import hardware
+from dhelix.base.nodes import node_ids
 from dhelix.planner.costs import CostTable
-
-
-def hardware() -> dict:
-    """What the table was measured on; compared when a table is used elsewhere."""
-    if torch.cuda.is_available():
-        dev = torch.cuda.get_device_name()
-    else:
-        dev = f"cpu:{platform.processor() or platform.machine()}x{os.cpu_count()}"
-    return {"device": dev, "link": os.environ.get("DHELIX_LINK", "unspecified")}
 
 
 def provenance(m, tp, sp, seq, mbs, bf16) -> dict:
     import megatron.core
-    from dhelix.train.dist import node_ids
     world = dist.get_world_size() if dist.is_initialized() else 1
     return {
         "model": m.name, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,

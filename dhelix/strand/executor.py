@@ -4,7 +4,8 @@ A step holds at most one segment of each strand. Both are issued, interleaved: a
 runs until it has launched a comm op (whose result its next op will wait for), then the
 other strand runs; when both are issued, the step's barrier waits for every comm in
 flight. The executor does not care which way a strand runs: α's forward with β's
-backward, or two forward halves of one micro-batch (the intra-batch peer).
+backward (`run_layer_step`), or the two batch halves of one node (`run_tiles`, the
+intra-batch peer).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from dhelix.planner.opspec import COMM
-from dhelix.planner.plan import Plan
+from dhelix.planner.plan import Plan, comm_runs
 from dhelix.strand.program import LayerProgram, Op
 from dhelix.strand.state import StrandState
 
@@ -104,3 +105,21 @@ def run_layer_step(plan: Plan,
         b = (bwd[1], [bwd[0].bwd[n] for n in step.bwd]) if bwd and step.bwd else None
         if a or b:
             execute_step(a, b, tracer)
+
+
+def run_tiles(program: LayerProgram, states: Sequence[StrandState], kind: str,
+              tracer: Optional[Tracer] = None) -> None:
+    """The two batch halves of one layer's forward (kind "fwd") or backward ("bwd"),
+    round-robin: half a's k-th segment beside half b's (k-1)-th, so that one half's comm
+    runs beside the other half's compute (the intra-batch peer)."""
+    chain, by = (program.forward_ops, program.fwd) if kind == "fwd" else \
+        (program.backward_ops, program.bwd)
+    segs = [[by[n] for n in seg] for seg in comm_runs([o.spec for o in chain])]
+    if len(states) == 1:
+        for seg in segs:
+            execute_step((states[0], seg), None, tracer)
+        return
+    a, b = states
+    for k in range(len(segs) + 1):
+        execute_step((a, segs[k]) if k < len(segs) else None,
+                     (b, segs[k - 1]) if k >= 1 else None, tracer)

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from dhelix.train.dist import node_ids
+from dhelix.base.nodes import node_ids
 
 
 class Pending:

@@ -1,62 +1,44 @@
 """The DHelix layer: megatron's TransformerLayer, runnable as op chains.
 
 `DHelixLayer` is built by the same spec, submodules and parameters as megatron-core's
-`TransformerLayer`, so names, shapes, TP sharding and (sharded) state dicts are the
-same and checkpoints move both ways. Outside an interleaved schedule it *is* a plain
-TransformerLayer. Inside one (a strand runner is active on the calling thread), its
-forward and backward become requests to the runner, which executes them as op chains,
-possibly paired with another strand's ops; autograd still sees one node per layer, so
-megatron's loss, DDP hooks and grad accumulation work unchanged.
+`TransformerLayer`, so names, shapes, TP sharding and (sharded) state dicts are the same
+and checkpoints move both ways. Outside a DHelix step it *is* a plain TransformerLayer.
+Inside one (a node runner is active), calling it makes a layer node (`strand.node`) and
+hands it to the runner, which runs its forward ops — paired with another strand's
+backward ops by the plan — and returns the node's output.
 """
 from __future__ import annotations
 
-import threading
 from typing import Optional
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from dhelix.strand.program import LayerProgram
-from dhelix.strand.state import StrandState
 
-_local = threading.local()
+# The runner of the DHelix step in progress. One thread drives a step (DESIGN §4), so one
+# slot, not a thread-local: a layer called on another thread during a step is a bug.
+_RUNNER = {"active": None}
 
 
 def active_runner():
-    return getattr(_local, "runner", None)
+    return _RUNNER["active"]
 
 
-class use_runner:
-    """Context: DHelix layers called on this thread go through `runner`."""
+class node_runner:
+    """Context: DHelix layers called inside become nodes handed to `runner`, an object
+    with `layer_forward(layer, hidden_states, meta) -> Tensor`."""
 
     def __init__(self, runner):
         self.runner = runner
 
     def __enter__(self):
-        self.prev = active_runner()
-        _local.runner = self.runner
+        self.prev = _RUNNER["active"]
+        _RUNNER["active"] = self.runner
         return self.runner
 
     def __exit__(self, *exc):
-        _local.runner = self.prev
-
-
-_bwd = {"runner": None}
-
-
-class set_backward_runner:
-    """Context: layer backwards go to `runner` whatever thread autograd runs them on
-    (on GPU the autograd engine uses its own device threads)."""
-
-    def __init__(self, runner):
-        self.runner = runner
-
-    def __enter__(self):
-        self.prev = _bwd["runner"]
-        _bwd["runner"] = self.runner
-
-    def __exit__(self, *exc):
-        _bwd["runner"] = self.prev
+        _RUNNER["active"] = self.prev
 
 
 class DHelixLayer(TransformerLayer):
@@ -81,34 +63,5 @@ class DHelixLayer(TransformerLayer):
             return super().forward(hidden_states, attention_mask=attention_mask,
                                    context=context, context_mask=context_mask,
                                    rotary_pos_emb=rotary_pos_emb, **kwargs)
-        S = runner.new_state(self)
-        S.meta = {"attention_mask": attention_mask, "rotary_pos_emb": rotary_pos_emb}
-        out = _StrandLayerFn.apply(runner, self, S, hidden_states, *self.program.params)
-        return out, context
-
-
-class _StrandLayerFn(torch.autograd.Function):
-    """One autograd node per layer; its forward and backward are op chains run by the
-    strand runner. Parameters are inputs, so their grads flow through AccumulateGrad
-    (and megatron DDP's hooks) exactly as for megatron's own layer."""
-
-    @staticmethod
-    def forward(ctx, runner, layer, S: StrandState, x, *params):
-        S.put("x", x.detach())
-        runner.forward(layer, S)
-        ctx.runner, ctx.layer, ctx.S = runner, layer, S
-        return S.get("out")
-
-    @staticmethod
-    def backward(ctx, g):
-        S = ctx.S
-        S.counting = False
-        S.put("g_out", g.contiguous())
-        # the strand whose thread runs this backward; on GPU autograd uses a device
-        # thread of its own, so the schedule names the backward strand globally
-        (active_runner() or _bwd["runner"] or ctx.runner).backward(ctx.layer, S)
-        gx = S.get("g_x")
-        grads = [S.grads.get(id(p)) for p in ctx.layer.program.params]
-        S.clear()
-        ctx.S = None
-        return (None, None, None, gx, *grads)
+        meta = {"attention_mask": attention_mask, "rotary_pos_emb": rotary_pos_emb}
+        return runner.layer_forward(self, hidden_states, meta), context

@@ -18,10 +18,11 @@ from typing import Callable, Dict, List
 
 import torch
 
-from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
-from dhelix.planner.shapes import estimate_layer_ops
+from dhelix.planner.chains import layer_chains
+from dhelix.planner.opspec import LayerOps, OpSpec
+from dhelix.planner.shapes import LayerShape, estimate_layer_ops
 from dhelix.strand.state import StrandState
-from dhelix.train.memory import METER
+from dhelix.base.memory import METER
 
 
 @dataclass
@@ -104,77 +105,35 @@ class LayerProgram:
 
     # ---- the chains ----------------------------------------------------------------------
     def _build(self):
-        sp, tp = self.sp, self.tp
-        C = lambda name, fn, **kw: Op(OpSpec(name, COMPUTE, "compute", **kw), fn)  # noqa
-        M = lambda name, fn, coll, **kw: Op(OpSpec(name, COMM, self.lane, group="tp",  # noqa
-                                                   collective=coll, **kw), fn)
-        f: List[Op] = [C("ln_attn", self._ln_attn)]
-        if sp:
-            f.append(M("ag_attn", self._gather("ln1", "ln1_full", "ag_attn"), "all_gather"))
-        f += [C("qkv", self._qkv), C("attn", self._attn), C("proj", self._proj)]
-        if sp:
-            f.append(M("rs_attn", self._rscatter("proj_out", "attn_out", "rs_attn"),
-                       "reduce_scatter"))
-        elif tp > 1:
-            f.append(M("ar_attn", self._allreduce("proj_out", "attn_out", "ar_attn"),
-                       "all_reduce"))
-        f += [C("bda_attn", self._bda_attn), C("ln_mlp", self._ln_mlp)]
-        if sp:
-            f.append(M("ag_mlp", self._gather("ln2", "ln2_full", "ag_mlp"), "all_gather"))
-        f += [C("fc1", self._fc1), C("act", self._act), C("fc2", self._fc2)]
-        if sp:
-            f.append(M("rs_mlp", self._rscatter("fc2_out", "mlp_out", "rs_mlp"),
-                       "reduce_scatter"))
-        elif tp > 1:
-            f.append(M("ar_mlp", self._allreduce("fc2_out", "mlp_out", "ar_mlp"),
-                       "all_reduce"))
-        f.append(C("bda_mlp", self._bda_mlp))
-
-        W = lambda name, fn, after: Op(OpSpec(name, COMPUTE, "compute", wgrad=True,  # noqa
-                                              after=after), fn)
-        b: List[Op] = [C("bda_mlp_b", self._bda_mlp_b)]
-        if sp:
-            b.append(M("ag_mlp_b", self._gather("g_mlp_out", "g_fc2_out", "ag_mlp_b"),
-                       "all_gather"))
-        b += [C("fc2_dgrad", self._fc2_dgrad), W("fc2_wgrad", self._fc2_wgrad, "fc2_dgrad"),
-              C("act_b", self._act_b)]
-        b += self._column_backward("mlp", "ln2", "act_b", "fc1", self._fc1_dgrad,
-                                   self._fc1_wgrad, "g_ln2_full", "g_ln2")
-        b += [C("ln_mlp_b", self._ln_mlp_b), C("bda_attn_b", self._bda_attn_b)]
-        if sp:
-            b.append(M("ag_attn_b", self._gather("g_attn_out", "g_proj_out", "ag_attn_b"),
-                       "all_gather"))
-        b += [C("proj_dgrad", self._proj_dgrad),
-              W("proj_wgrad", self._proj_wgrad, "proj_dgrad"), C("attn_b", self._attn_b)]
-        b += self._column_backward("attn", "ln1", "attn_b", "qkv", self._qkv_dgrad,
-                                   self._qkv_wgrad, "g_ln1_full", "g_ln1")
-        b.append(C("ln_attn_b", self._ln_attn_b))
-        return f, b
-
-    def _column_backward(self, part, key, grad_op, lin, dgrad_fn, wgrad_fn, g_full, g_local):
-        """A column-parallel linear's backward in megatron's order: (SP: start the
-        re-gather of its input), dgrad, start the reduce-scatter / all-reduce of the
-        input grad, wgrad while it runs. The re-gather and the wgrad only need the
-        output grad (from `grad_op`) and may float to any later point of the backward."""
-        C = lambda name, fn: Op(OpSpec(name, COMPUTE, "compute"), fn)  # noqa
-        ops, after = [], grad_op
-        if self.sp:
-            ag = f"ag_{part}_w"
-            ops.append(Op(OpSpec(ag, COMM, self.lane, group="tp", collective="all_gather",
-                                 wgrad=True, after=grad_op), self._gather(key, key + "_w", ag)))
-            after = ag
-        ops.append(C(f"{lin}_dgrad", dgrad_fn))
-        if self.sp:
-            ops.append(Op(OpSpec(f"rs_{part}_b", COMM, self.lane, group="tp",
-                                 collective="reduce_scatter"),
-                          self._rscatter(g_full, g_local, f"rs_{part}_b")))
-        elif self.tp > 1:
-            ops.append(Op(OpSpec(f"ar_{part}_b", COMM, self.lane, group="tp",
-                                 collective="all_reduce"),
-                          self._allreduce(g_full, g_local, f"ar_{part}_b")))
-        ops.append(Op(OpSpec(f"{lin}_wgrad", COMPUTE, "compute", wgrad=True, after=after),
-                      wgrad_fn))
-        return ops
+        """Bind a function to every op of the planner's chains (one source for both)."""
+        fwd, bwd = layer_chains(self.tp, self.sp, self.lane)
+        fns = {
+            "ln_attn": self._ln_attn, "qkv": self._qkv, "attn": self._attn, "proj": self._proj,
+            "bda_attn": self._bda_attn, "ln_mlp": self._ln_mlp, "fc1": self._fc1,
+            "act": self._act, "fc2": self._fc2, "bda_mlp": self._bda_mlp,
+            "ag_attn": self._gather("ln1", "ln1_full", "ag_attn"),
+            "ag_mlp": self._gather("ln2", "ln2_full", "ag_mlp"),
+            "rs_attn": self._rscatter("proj_out", "attn_out", "rs_attn"),
+            "rs_mlp": self._rscatter("fc2_out", "mlp_out", "rs_mlp"),
+            "ar_attn": self._allreduce("proj_out", "attn_out", "ar_attn"),
+            "ar_mlp": self._allreduce("fc2_out", "mlp_out", "ar_mlp"),
+            "bda_mlp_b": self._bda_mlp_b, "fc2_dgrad": self._fc2_dgrad,
+            "fc2_wgrad": self._fc2_wgrad, "act_b": self._act_b, "fc1_dgrad": self._fc1_dgrad,
+            "fc1_wgrad": self._fc1_wgrad, "ln_mlp_b": self._ln_mlp_b,
+            "bda_attn_b": self._bda_attn_b, "proj_dgrad": self._proj_dgrad,
+            "proj_wgrad": self._proj_wgrad, "attn_b": self._attn_b,
+            "qkv_dgrad": self._qkv_dgrad, "qkv_wgrad": self._qkv_wgrad,
+            "ln_attn_b": self._ln_attn_b,
+            "ag_mlp_b": self._gather("g_mlp_out", "g_fc2_out", "ag_mlp_b"),
+            "ag_attn_b": self._gather("g_attn_out", "g_proj_out", "ag_attn_b"),
+            "ag_mlp_w": self._gather("ln2", "ln2_w", "ag_mlp_w"),
+            "ag_attn_w": self._gather("ln1", "ln1_w", "ag_attn_w"),
+            "rs_mlp_b": self._rscatter("g_ln2_full", "g_ln2", "rs_mlp_b"),
+            "rs_attn_b": self._rscatter("g_ln1_full", "g_ln1", "rs_attn_b"),
+            "ar_mlp_b": self._allreduce("g_ln2_full", "g_ln2", "ar_mlp_b"),
+            "ar_attn_b": self._allreduce("g_ln1_full", "g_ln1", "ar_attn_b"),
+        }
+        return [Op(o, fns[o.name]) for o in fwd], [Op(o, fns[o.name]) for o in bwd]
 
     # ---- comm ops ------------------------------------------------------------------------
     def _gather(self, src, dst, op):
@@ -371,20 +330,7 @@ class LayerProgram:
     def layer_ops(self, seq_length: int, micro_batch_size: int) -> LayerOps:
         """OpSpecs with FLOP/byte estimates for this layer at a given input shape; the
         signature ties plans and tables to the shape, dtype and parallel sizes."""
-        return estimate_layer_ops(self.forward_ops, self.backward_ops, self.cfg, self.tp,
-                                  self.sp, seq_length, micro_batch_size)
+        return estimate_layer_ops([o.spec for o in self.forward_ops],
+                                  [o.spec for o in self.backward_ops], LayerShape.of(self.cfg),
+                                  self.tp, self.sp, seq_length, micro_batch_size)
 
-
-def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length: int,
-                        micro_batch_size: int, bf16: bool = False,
-                        lane: str = "intra") -> LayerOps:
-    """The same LayerOps a live DHelix layer of this shape reports, without building it
-    or any process group: for planning and simulating models and clusters you do not
-    have (`dhelix plan --config llama-8b --cluster configs/clusters/h100.yaml`)."""
-    from dhelix.models.gpt import transformer_config
-    cfg = transformer_config(model_cfg, tp=tp, sequence_parallel=sequence_parallel, bf16=bf16)
-    prog = LayerProgram.__new__(LayerProgram)      # chains only: no layer, no group
-    prog.cfg, prog.tp, prog.group, prog.lane = cfg, tp, None, lane
-    prog.sp = bool(sequence_parallel) and tp > 1
-    fwd, bwd = prog._build()
-    return estimate_layer_ops(fwd, bwd, cfg, tp, prog.sp, seq_length, micro_batch_size)

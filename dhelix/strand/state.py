@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 import torch
 
 from dhelix.strand.lanes import Lanes, Pending
-from dhelix.train.memory import METER
+from dhelix.base.memory import METER
 
 
 class StrandState:

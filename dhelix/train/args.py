@@ -45,6 +45,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clip-grad", type=float, default=0.0)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--json", default=None, help="write config, losses, tokens/s, peak memory")
+    g.add_argument("--checksums", action="store_true",
+                   help="with --json: also per-parameter sums of every step's gradient and "
+                        "of the final weights (to compare two runs exactly)")
 
 
 def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -58,4 +61,5 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         seq_length=a.seq_length, train_iters=a.train_iters, seed=a.seed, bf16=a.bf16,
         lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, data=data,
         data_path=a.data_path, overlap_grad_reduce=a.overlap_grad_reduce,
-        eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json, dhelix=dh)
+        eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json,
+        checksums=a.checksums, dhelix=dh)

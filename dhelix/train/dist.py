@@ -17,6 +17,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from dhelix.base.nodes import node_ids
+
 
 class LaunchError(RuntimeError):
     pass
@@ -38,20 +40,6 @@ def _env_int(*names, default=None) -> Optional[int]:
         if v not in (None, ""):
             return int(v)
     return default
-
-
-def node_ids(world_size: int) -> List[int]:
-    """Node id of every rank: DHELIX_NODE_IDS="0,0,1,1" (tests), else from the launcher's
-    local world size (ranks are laid out node by node, as torchrun and srun do)."""
-    spec = os.environ.get("DHELIX_NODE_IDS")
-    if spec:
-        ids = [int(x) for x in spec.split(",")]
-        if len(ids) != world_size:
-            raise LaunchError(f"DHELIX_NODE_IDS lists {len(ids)} node ids for a world of "
-                              f"{world_size} ranks; give one id per rank")
-        return ids
-    per_node = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=world_size)
-    return [r // max(per_node, 1) for r in range(world_size)]
 
 
 def init_distributed(timeout_s: float = 120.0) -> DistInfo:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dhelix.models.config import ConfigError, ModelConfig, load_model_config
+from dhelix.schedules import make_schedule
 
 
 @dataclass
@@ -41,6 +42,7 @@ class TrainConfig:
     eval_iters: int = 0
     log_interval: int = 1
     json: Optional[str] = None
+    checksums: bool = False                      # per-parameter grad/weight sums in the result
     quiet: bool = False
     dhelix: dict = field(default_factory=dict)   # --dhelix* options (schedule issue)
 
@@ -170,18 +172,32 @@ def build_model(cfg: TrainConfig, m: ModelConfig, tconfig, device, layer_module=
     return model
 
 
-def _average_across_dp(values: List[float]) -> float:
+def _average_across_dp(values: List[float], device: torch.device) -> float:
     from megatron.core import parallel_state
-    t = torch.tensor([sum(values) / max(len(values), 1)], dtype=torch.float64)
+    # on the DP group's device: NCCL accepts no CPU tensor
+    t = torch.tensor([sum(values) / max(len(values), 1)], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
     return t.item() / parallel_state.get_data_parallel_world_size()
+
+
+def checksums(model, attr: str) -> dict:
+    """name -> [sum, sum of squares] (float64) of each parameter's `attr` ("main_grad":
+    the gradient megatron DDP accumulated and reduced; "data": the weight), this rank's
+    shard: two runs compare without moving tensors."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = getattr(p, attr, None)
+        if t is not None:
+            t = t.detach().double()
+            out[name] = [t.sum().item(), (t * t).sum().item()]
+    return out
 
 
 def train(cfg: TrainConfig) -> dict:
     """Run training on the current process group; returns the result dict (all ranks)."""
     from dhelix.train.data import make_batches
     from dhelix.train.dist import init_distributed
-    from dhelix.train.memory import METER, peak_memory_bytes
+    from dhelix.base.memory import METER, peak_memory_bytes
 
     m = load_model_config(cfg.config)
     info = init_distributed()
@@ -189,11 +205,10 @@ def train(cfg: TrainConfig) -> dict:
     tconfig = setup_megatron(cfg, m, layout)
     from megatron.core import parallel_state
 
-    schedule = _schedule(cfg)
+    schedule = make_schedule(cfg.dhelix)
     model = build_model(cfg, m, tconfig, info.device, schedule.layer_module)
     schedule.prepare(model, tconfig)
-    if hasattr(schedule, "check"):
-        schedule.check(model, cfg.seq_length, cfg.micro_batch_size)
+    schedule.check(model, cfg.seq_length, cfg.micro_batch_size)
     optimizer = MasterAdamW(model.parameters(), cfg.lr, cfg.weight_decay, cfg.clip_grad)
     dp_rank = parallel_state.get_data_parallel_rank()
     data = make_batches(cfg.data, seq_length=cfg.seq_length,
@@ -210,7 +225,7 @@ def train(cfg: TrainConfig) -> dict:
               f"microbatches={layout.num_microbatches} seq={cfg.seq_length} "
               f"{'bf16' if cfg.bf16 else 'fp32'} schedule={schedule.name} "
               f"backend={info.backend}", flush=True)
-    losses, times = [], []
+    losses, times, grad_sums = [], [], []
     METER.reset_peak()
     for it in range(cfg.train_iters):
         t0 = time.perf_counter()
@@ -220,8 +235,10 @@ def train(cfg: TrainConfig) -> dict:
                 forward_step_func=forward_step, data_iterator=data, model=model,
                 num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
                 micro_batch_size=cfg.micro_batch_size, forward_only=False)
+        if cfg.checksums:
+            grad_sums.append(checksums(model, "main_grad"))
         optimizer.step()
-        loss = _average_across_dp([o["lm loss"].item() for o in out])
+        loss = _average_across_dp([o["lm loss"].item() for o in out], info.device)
         dt = time.perf_counter() - t0
         losses.append(loss)
         times.append(dt)
@@ -243,14 +260,13 @@ def train(cfg: TrainConfig) -> dict:
                     num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
                     micro_batch_size=cfg.micro_batch_size, forward_only=True)
                 vals += [o["lm loss"].item() for o in out]
-        eval_loss = _average_across_dp(vals)
+        eval_loss = _average_across_dp(vals, info.device)
         model.train()
         if rank0:
             print(f" eval loss {eval_loss:.6f}", flush=True)
-    if hasattr(schedule, "finish"):
-        written = schedule.finish(info.rank)
-        if written and rank0:
-            print(f"dhelix train: trace of the last iteration: {', '.join(written)}")
+    written = schedule.finish(info.rank)
+    if written and rank0:
+        print(f"dhelix train: trace of the last iteration: {', '.join(written)}")
     steady = times[1:] if len(times) > 1 else times
     mem = peak_memory_bytes(info.device)
     result = {
@@ -265,6 +281,9 @@ def train(cfg: TrainConfig) -> dict:
         "peak_rss_bytes": mem["process_rss"],
         "memory_method": mem["method"],
     }
+    if cfg.checksums:
+        result["grad_checksums"] = grad_sums
+        result["weight_checksums"] = checksums(model, "data")
     if rank0:
         print(f"dhelix train: done | final loss {losses[-1]:.6f} | "
               f"{result['tokens_per_s']:.0f} tokens/s | peak activations "
@@ -279,26 +298,3 @@ def train(cfg: TrainConfig) -> dict:
 def _to_device(it, device):
     for batch in it:
         yield {k: v.to(device) for k, v in batch.items()}
-
-
-class BaselineSchedule:
-    """Megatron's own forward-backward function and layer."""
-    name = "megatron"
-    layer_module = None
-
-    def prepare(self, model, tconfig):
-        pass
-
-    def forward_backward(self, **kw):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        return get_forward_backward_func()(**kw)
-
-
-def _schedule(cfg: TrainConfig):
-    if cfg.dhelix.get("peer") == "intra-batch":
-        from dhelix.strand.peer import IntraBatchSchedule
-        return IntraBatchSchedule(cfg.dhelix)
-    if cfg.dhelix.get("enabled"):
-        from dhelix.strand.schedule import DHelixSchedule
-        return DHelixSchedule(cfg.dhelix)
-    return BaselineSchedule()

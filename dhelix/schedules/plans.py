@@ -1,10 +1,37 @@
-"""Which plan a run uses, from the `--dhelix*` options (plain dict)."""
+"""Which plan each layer runs: the plan book, filled from the `--dhelix*` options."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
-from dhelix.planner.plan import Plan, PlanError, paired_plan, trivial_plan
-from dhelix.strand.runner import PlanBook
+from dhelix.planner.plan import (Plan, PlanError, check_same_plan_across_ranks, paired_plan,
+                                 trivial_plan, validate)
+
+
+class PlanBook:
+    """The plan of every layer: one plan per layer signature, validated against the
+    layer's op chains and checked to be the same on every rank."""
+
+    def __init__(self, seq_length: int, micro_batch_size: int,
+                 plan: Optional[Plan] = None,
+                 make_plan: Callable = trivial_plan, source: str = "<plan>"):
+        self.seq_length, self.micro_batch_size = seq_length, micro_batch_size
+        self.plan, self.make_plan, self.source = plan, make_plan, source
+        self._by_sig = {}
+        self._by_layer = {}
+
+    def for_layer(self, layer) -> Plan:
+        plan = self._by_layer.get(id(layer))
+        if plan is not None:
+            return plan
+        ops = layer.program.layer_ops(self.seq_length, self.micro_batch_size)
+        sig = ops.signature()
+        if sig not in self._by_sig:
+            plan = self.plan if self.plan is not None else self.make_plan(ops)
+            validate(plan, ops, self.source)
+            check_same_plan_across_ranks(plan, self.source)
+            self._by_sig[sig] = plan
+        self._by_layer[id(layer)] = self._by_sig[sig]
+        return self._by_sig[sig]
 
 
 def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -> PlanBook:
@@ -48,7 +75,7 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
 def check_hardware(table, path: str, force: bool) -> None:
     """A table measured on other hardware or another link is refused unless forced."""
     from dhelix.planner.costs import TableError
-    from dhelix.profiler.profile import hardware
+    from dhelix.base.hardware import hardware
     theirs = table.provenance.get("hardware")
     mine = hardware()
     if theirs and theirs != mine and not force:
@@ -56,4 +83,4 @@ def check_hardware(table, path: str, force: bool) -> None:
                          f"this cluster with `dhelix profile` or pass --dhelix-force")
 
 
-__all__ = ["plan_book_from_options", "PlanError", "check_hardware"]
+__all__ = ["PlanBook", "plan_book_from_options", "PlanError", "check_hardware"]

@@ -1,0 +1,59 @@
+"""The op chains of a transformer layer (DESIGN §1.1) as plain data.
+
+One source for the runtime (`strand.program` binds a function to every name here) and for
+the planner, which plans models it cannot build (`shapes.layer_ops_for_shape`).
+
+The backward runs in megatron's order: a column-parallel linear's input is re-gathered
+(sequence parallel) before its dgrad, the input gradient's reduce-scatter (or all-reduce)
+starts after the dgrad, and the wgrad runs beside it. Wgrad ops and the re-gathers they
+need are `wgrad=True` with an `after` op: they may float to any later point of the
+layer's backward.
+"""
+from __future__ import annotations
+
+from typing import List, Tuple
+
+from dhelix.planner.opspec import COMM, COMPUTE, OpSpec
+
+
+def layer_chains(tp: int, sp: bool, lane: str = "intra") -> Tuple[List[OpSpec], List[OpSpec]]:
+    """(forward, backward) OpSpecs of a dense layer with TP `tp` (sequence parallel `sp`);
+    TP collectives run on `lane` (intra or inter, by the TP group's node membership)."""
+    sp = sp and tp > 1
+
+    def C(name, **kw):
+        return OpSpec(name, COMPUTE, "compute", **kw)
+
+    def M(name, coll, **kw):
+        return OpSpec(name, COMM, lane, group="tp", collective=coll, **kw)
+
+    def reduce_out(part, suffix=""):
+        """Row-parallel output: reduce-scatter with SP, all-reduce with plain TP."""
+        if sp:
+            return [M(f"rs_{part}{suffix}", "reduce_scatter")]
+        return [M(f"ar_{part}{suffix}", "all_reduce")] if tp > 1 else []
+
+    def gather(name, **kw):
+        return [M(name, "all_gather", **kw)] if sp else []
+
+    f = [C("ln_attn"), *gather("ag_attn"), C("qkv"), C("attn"), C("proj"),
+         *reduce_out("attn"), C("bda_attn"), C("ln_mlp"), *gather("ag_mlp"), C("fc1"),
+         C("act"), C("fc2"), *reduce_out("mlp"), C("bda_mlp")]
+
+    def column_backward(part, grad_op, lin):
+        after = grad_op
+        ops = []
+        if sp:
+            ops.append(M(f"ag_{part}_w", "all_gather", wgrad=True, after=grad_op))
+            after = f"ag_{part}_w"
+        ops.append(C(f"{lin}_dgrad"))
+        ops += reduce_out(part, "_b")
+        ops.append(C(f"{lin}_wgrad", wgrad=True, after=after))
+        return ops
+
+    b = [C("bda_mlp_b"), *gather("ag_mlp_b"), C("fc2_dgrad"),
+         C("fc2_wgrad", wgrad=True, after="fc2_dgrad"), C("act_b"),
+         *column_backward("mlp", "act_b", "fc1"), C("ln_mlp_b"), C("bda_attn_b"),
+         *gather("ag_attn_b"), C("proj_dgrad"), C("proj_wgrad", wgrad=True, after="proj_dgrad"),
+         C("attn_b"), *column_backward("attn", "attn_b", "qkv"), C("ln_attn_b")]
+    return f, b

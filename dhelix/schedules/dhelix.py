@@ -1,0 +1,134 @@
+"""The co-executing 1F1B schedule without pipeline parallelism (DESIGN §1.6).
+
+    F(1);  [F(k+1) ∥ B(k)] for k = 1..N-1;  B(N)
+
+One thread drives every step, as a walk over nodes (`schedules.microbatch`): α's forward
+is megatron's own forward_step, each of its DHelix layers a node; β's backward is an
+explicit walk over the nodes its forward recorded. Inside a co-executed step, α's layer i
+runs beside β's layer L−i+1 by the layer's plan. Every rank walks the same nodes in the
+same order, so collectives never interleave differently across ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+from dhelix.schedules.microbatch import Microbatch, MicrobatchSteps
+from dhelix.schedules.plans import PlanBook
+from dhelix.strand.executor import Tracer, run_layer_step
+from dhelix.strand.lanes import Lanes, make_lanes
+from dhelix.strand.layer import DHelixLayer
+
+
+class DHelixSchedule:
+    """A forward-backward function with megatron-core's signature (and the trainer's
+    schedule interface): F(1); [F(k+1) ∥ B(k)]; B(N)."""
+    name = "dhelix"
+    layer_module = DHelixLayer
+
+    def __init__(self, options: dict):
+        self.options = options
+        self.plans: Optional[PlanBook] = None
+        self.lanes: Optional[Lanes] = None
+        self.tracer: Optional[Tracer] = Tracer() if options.get("trace") else None
+
+    def prepare(self, model, tconfig):
+        self.lanes = make_lanes(next(model.parameters()).device)
+
+    def check(self, model, seq_length, micro_batch_size):
+        """Validate the plan against every DHelix layer now, before the first step."""
+        book = self.plan_book(seq_length, micro_batch_size)
+        for layer in [m for m in model.modules() if isinstance(m, DHelixLayer)]:
+            book.for_layer(layer)
+        return book
+
+    def plan_book(self, seq_length, micro_batch_size) -> PlanBook:
+        if self.plans is None or (self.plans.seq_length, self.plans.micro_batch_size) != \
+                (seq_length, micro_batch_size):
+            from dhelix.schedules.plans import plan_book_from_options
+            self.plans = plan_book_from_options(self.options, seq_length, micro_batch_size)
+        return self.plans
+
+    def forward_backward(self, **kw):
+        return forward_backward_dhelix(schedule=self, **kw)
+
+    def finish(self, rank: int = 0):
+        """Write the last iteration's trace (Chrome JSON + PNG) if --dhelix-trace."""
+        path = self.options.get("trace")
+        if path and self.tracer is not None and self.tracer.events:
+            from dhelix.strand.trace import write_trace
+            return write_trace(self.tracer.events, path, rank)
+
+
+def co_step(steps: MicrobatchSteps, plans: PlanBook, tracer: Optional[Tracer],
+            alpha: Optional[int], beta: Optional[Microbatch]) -> Optional[Microbatch]:
+    """One co-executed step: the forward of micro-batch `alpha` beside the backward of
+    `beta` (either may be None). Returns α's recorded micro-batch."""
+    walk = steps.backward(beta) if beta is not None else None
+
+    # 1. β's post-process node: its loss → the gradient of its last layer's output.
+    if walk is not None:
+        walk.post()
+
+    # 2. α's forward (embedding, layers, loss); each α layer runs beside β's next layer
+    #    backward, by the layer's plan.
+    def execute(node):
+        b = walk.next() if walk is not None and walk.remaining() else None
+        run_layer_step(plans.for_layer(node.layer), fwd=(node.program, node.states[0]),
+                       bwd=(b.program, b.states[0]) if b is not None else None, tracer=tracer)
+        if b is not None:
+            walk.done(b)
+    out = steps.forward(alpha, execute) if alpha is not None else None
+
+    # 3. β's layers that found no α partner (the last step, B(N), runs alone).
+    while walk is not None and walk.remaining():
+        b = walk.next()
+        run_layer_step(plans.for_layer(b.layer), bwd=(b.program, b.states[0]), tracer=tracer)
+        walk.done(b)
+
+    # 4. β's pre-process node: the embedding's gradients.
+    if walk is not None:
+        walk.pre()
+    return out
+
+
+def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_microbatches,
+                            seq_length, micro_batch_size, decoder_seq_length=None,
+                            forward_only=False, collect_non_loss_data=False,
+                            first_val_step=None, schedule: Optional[DHelixSchedule] = None,
+                            **unused):
+    """megatron-core's forward-backward signature; PP = 1."""
+    from megatron.core.pipeline_parallel import schedules as ms
+    from megatron.core.utils import get_model_config
+
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("DHelix without pipeline parallelism takes one model chunk")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    if forward_only:
+        # evaluation: nothing to pair; megatron's own schedule, layers run plainly
+        return ms.forward_backward_no_pipelining(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch_size, forward_only=True,
+            collect_non_loss_data=collect_non_loss_data)
+    schedule = schedule or DHelixSchedule({"enabled": True})
+    if schedule.lanes is None:
+        schedule.prepare(model, None)
+    plans = schedule.plan_book(seq_length, micro_batch_size)
+    tracer = schedule.tracer
+    if tracer is not None:
+        tracer.reset()                       # keep the last iteration's trace
+    steps = MicrobatchSteps(forward_step_func, data_iterator, model, num_microbatches,
+                            schedule.lanes, tracer, collect_non_loss_data, first_val_step)
+    no_sync = get_model_config(model).no_sync_func or contextlib.nullcontext
+    N = num_microbatches
+    with no_sync():
+        prev = co_step(steps, plans, tracer, alpha=0, beta=None)            # F(1)
+        for k in range(1, N):
+            prev = co_step(steps, plans, tracer, alpha=k, beta=prev)        # F(k+1) ∥ B(k)
+    co_step(steps, plans, tracer, alpha=None, beta=prev)    # B(N), outside no_sync: grads
+    steps.finalize()                                        # are reduced here, as megatron
+    return steps.store

@@ -1,0 +1,195 @@
+"""A micro-batch's forward and backward as nodes, around megatron's own steps.
+
+F(k): megatron's `forward_step` — the user's forward_step_func: embedding, the decoder,
+final norm, output layer, loss — runs with a node runner active, so each DHelix layer
+of the model becomes a layer node (`strand.node`) that the schedule runs, possibly
+beside another micro-batch's backward node. The micro-batch's nodes are recorded.
+
+B(k): an explicit walk in backward order, driven by the schedule on its one thread:
+  post-process node  megatron's `backward_step` from the loss; autograd stops at the
+                     last layer node's output (a leaf) and leaves the gradient there;
+  layer nodes L..1   each one's backward ops; the input grad goes to the node below;
+  pre-process node   autograd from the first layer node's input to the embedding.
+No backward is ever run by autograd on the schedule's behalf, so nothing waits inside
+the autograd engine (on CUDA: its device thread).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from dhelix.strand.executor import Tracer
+from dhelix.strand.lanes import Lanes
+from dhelix.strand.layer import node_runner
+from dhelix.strand.node import LayerNode, accumulate_grads
+
+
+class NodeChainError(RuntimeError):
+    """The model does something between DHelix layers that the node walk cannot see."""
+
+
+@dataclass
+class Microbatch:
+    index: int
+    output: Any                           # megatron's output tensor (the scaled loss)
+    nodes: List[LayerNode] = field(default_factory=list)
+
+
+class ForwardRunner:
+    """The node runner of one micro-batch's forward: each DHelix layer called becomes a
+    node, handed to `execute(node)` (the schedule decides what runs beside it)."""
+
+    def __init__(self, lanes: Lanes, label: str, execute: Callable[[LayerNode], None],
+                 tiles: int = 1):
+        self.lanes, self.label, self.execute, self.tiles = lanes, label, execute, tiles
+        self.nodes: List[LayerNode] = []
+
+    def layer_forward(self, layer, x, meta):
+        if self.nodes and x is not self.nodes[-1].out:
+            raise NodeChainError(
+                f"layer {layer.layer_number}: its input is not the output of the DHelix layer "
+                f"before it (something runs between layers, e.g. activation offloading or "
+                f"recompute); DHelix needs the decoder's layers back to back")
+        node = LayerNode(layer, x, meta, self.lanes, "α", self.label, self.tiles)
+        self.execute(node)
+        self.nodes.append(node)
+        return node.finish_forward()
+
+
+class BackwardWalk:
+    """β: one micro-batch's backward as explicit nodes (see the module doc).
+
+    A parameter used both above the layers and below them — the output layer's weight
+    tied to the word embedding — gets one gradient per micro-batch, the sum of both
+    parts, as megatron's single autograd pass gives it: the post-process part is held
+    until the pre-process node adds its own. Every other parameter's gradient goes to its
+    AccumulateGrad as soon as its node is done."""
+
+    def __init__(self, mb: Microbatch, steps: "MicrobatchSteps", label: str):
+        self.mb, self.steps, self.label = mb, steps, label
+        self.pending = list(mb.nodes)
+        self.first_input = mb.nodes[0].x_in if mb.nodes else None
+        self.g: Optional[torch.Tensor] = None
+        self.held: Dict[int, torch.Tensor] = {}
+        self.below: List[torch.Tensor] = []
+
+    def post(self) -> None:
+        """Post-process node: loss → gradient of the last layer node's output (and of the
+        final norm's and output layer's parameters)."""
+        from megatron.core.pipeline_parallel import schedules as ms
+        out, self.mb.output = self.mb.output, None
+        if not self.pending:        # no DHelix layer: megatron's own backward step
+            ms.backward_step(None, out, None, self.steps.model_type, self.steps.config)
+            return
+        if self.steps.config.grad_scale_func is not None:
+            out = self.steps.config.grad_scale_func(out)
+        last = self.pending[-1]
+        body = self.steps.body_params
+        grads = torch.autograd.grad(out, [last.out] + body, allow_unused=True)
+        self.g = grads[0]
+        last.out = None
+        if self.g is None:
+            raise NodeChainError("the loss does not depend on the last DHelix layer's "
+                                 "output; DHelix needs the decoder to end the model body")
+        self.below = graph_params(self.first_input)
+        tied = {id(p) for p in self.below}
+        now = [(p, g) for p, g in zip(body, grads[1:]) if g is not None]
+        self.held = {id(p): g for p, g in now if id(p) in tied}
+        now = [(p, g) for p, g in now if id(p) not in tied]
+        accumulate_grads([p for p, _ in now], [g for _, g in now])
+
+    def remaining(self) -> int:
+        return len(self.pending)
+
+    def next(self) -> LayerNode:
+        node = self.pending.pop()
+        node.begin_backward(self.g, "β", self.label)
+        return node
+
+    def done(self, node: LayerNode) -> None:
+        self.g = node.finish_backward()
+
+    def pre(self) -> None:
+        """Pre-process node: the first layer's input grad into the embedding's graph."""
+        assert not self.pending, "pre-process backward before every layer node's backward"
+        x, self.first_input = self.first_input, None
+        params, grads = [], []
+        if self.below:
+            got = torch.autograd.grad(x, self.below, self.g, allow_unused=True)
+            for p, g in zip(self.below, got):
+                held = self.held.pop(id(p), None)
+                if held is not None:      # megatron's order: output layer's part first
+                    g = held if g is None else held + g
+                if g is not None:
+                    params.append(p)
+                    grads.append(g)
+        accumulate_grads(params, grads)
+        self.g, self.below = None, []
+
+
+def graph_params(x: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    """The leaves (parameters) that `x`'s autograd graph reaches: what the pre-process
+    node's backward gives gradients to."""
+    if x is None or x.grad_fn is None:
+        return []
+    out, seen, todo = [], set(), [x.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        var = getattr(fn, "variable", None)       # AccumulateGrad
+        if var is not None:
+            out.append(var)
+        todo.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+class MicrobatchSteps:
+    """megatron's forward_step / backward_step of micro-batch k with DHelix layer nodes,
+    and the bookkeeping megatron's schedules do around them (tokens, finalize)."""
+
+    def __init__(self, forward_step_func, data_iterator, model, num_microbatches,
+                 lanes: Lanes, tracer: Optional[Tracer] = None, collect_non_loss_data=False,
+                 first_val_step=None):
+        from megatron.core import parallel_state
+        from megatron.core.utils import get_model_config, get_model_type
+        self.fs, self.data, self.model = forward_step_func, data_iterator, model
+        self.n, self.collect, self.first_val = num_microbatches, collect_non_loss_data, \
+            first_val_step
+        self.lanes, self.tracer = lanes, tracer
+        self.config, self.model_type = get_model_config(model), get_model_type(model)
+        self.cp = parallel_state.get_context_parallel_world_size()
+        self.store: list = []
+        # parameters outside the DHelix layers (embedding, final norm, output layer)
+        from dhelix.strand.layer import DHelixLayer
+        in_layers = {id(p) for m in model.modules() if isinstance(m, DHelixLayer)
+                     for p in m.parameters()}
+        self.body_params = [p for p in model.parameters()
+                            if p.requires_grad and id(p) not in in_layers]
+        device = next(model.parameters()).device
+        # on the model's device: megatron's finalize all-reduces it on an NCCL group
+        self.tokens = torch.zeros([], dtype=torch.int, device=device)
+
+    def forward(self, k: int, execute: Callable[[LayerNode], None], tiles: int = 1) -> Microbatch:
+        from megatron.core.pipeline_parallel import schedules as ms
+        runner = ForwardRunner(self.lanes, f"F{k + 1}", execute, tiles)
+        with node_runner(runner):
+            out, ntok = ms.forward_step(
+                self.fs, self.data, self.model, self.n, None, self.store, self.config,
+                self.cp, self.collect,
+                is_first_microbatch=ms.check_first_val_step(self.first_val, False, k == 0),
+                current_microbatch=k)
+        self.tokens += ntok          # no host copy: stays where megatron made it
+        return Microbatch(k, out, runner.nodes)
+
+    def backward(self, mb: Microbatch) -> BackwardWalk:
+        return BackwardWalk(mb, self, f"B{mb.index + 1}")
+
+    def finalize(self) -> None:
+        c = self.config
+        if c.finalize_model_grads_func is not None:
+            c.finalize_model_grads_func([self.model],
+                                        self.tokens if c.calculate_per_token_loss else None)
