@@ -103,11 +103,15 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
     or any process group: for planning and simulating models and clusters you do not
     have (`dhelix plan --config llama-8b --cluster h100`)."""
     from dhelix.planner.chains import layer_chains
-    if tp < 1 or model_cfg.num_attention_heads % tp or model_cfg.ffn_hidden_size % tp \
-            or (model_cfg.kv_groups % tp and tp % model_cfg.kv_groups):
-        raise ValueError(f"heads ({model_cfg.num_attention_heads}), query groups "
-                         f"({model_cfg.kv_groups}) and ffn ({model_cfg.ffn_hidden_size}) "
-                         f"must split over TP={tp}")
+    if tp < 1:
+        raise ValueError(f"tensor-model-parallel size must be >= 1, got {tp}")
+    for field, v in (("num_attention_heads", model_cfg.num_attention_heads),
+                     ("ffn_hidden_size", model_cfg.ffn_hidden_size)):
+        if v % tp:
+            raise ValueError(f"{field} ({v}) is not divisible by TP={tp}")
+    g = model_cfg.kv_groups
+    if g % tp and tp % g:
+        raise ValueError(f"num_query_groups ({g}) and TP={tp} must divide one another")
     sp = bool(sequence_parallel) and tp > 1
     fwd, bwd = layer_chains(tp, sp, lane)
     return estimate_layer_ops(fwd, bwd, LayerShape.of_model(model_cfg, bf16), tp, sp,
