@@ -10,6 +10,7 @@ class NodeIdError(ValueError):
 
 
 def _env_int(*names, default=None) -> Optional[int]:
+    """The first of the launcher's variables `names` that is set, as an int."""
     for n in names:
         v = os.environ.get(n)
         if v not in (None, ""):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
-from dhelix.schedules.microbatch import Microbatch, MicrobatchSteps
+from dhelix.schedules.microbatch import Microbatch, MicrobatchSteps, unwrap_and_evaluate
 from dhelix.schedules.plans import PlanBook
 from dhelix.strand.executor import Tracer, run_layer_step
 from dhelix.strand.lanes import Lanes, make_lanes
@@ -98,22 +98,14 @@ def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_micr
                             first_val_step=None, schedule: Optional[DHelixSchedule] = None,
                             **unused):
     """megatron-core's forward-backward signature; PP = 1."""
-    from megatron.core.pipeline_parallel import schedules as ms
     from megatron.core.utils import get_model_config
 
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("DHelix without pipeline parallelism takes one model chunk")
-        model = model[0]
-    if isinstance(data_iterator, list):
-        data_iterator = data_iterator[0]
+    model, data_iterator, evaluated = unwrap_and_evaluate(
+        model, data_iterator, forward_only, forward_step_func=forward_step_func,
+        num_microbatches=num_microbatches, seq_length=seq_length,
+        micro_batch_size=micro_batch_size, collect_non_loss_data=collect_non_loss_data)
     if forward_only:
-        # evaluation: nothing to pair; megatron's own schedule, layers run plainly
-        return ms.forward_backward_no_pipelining(
-            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=num_microbatches, seq_length=seq_length,
-            micro_batch_size=micro_batch_size, forward_only=True,
-            collect_non_loss_data=collect_non_loss_data)
+        return evaluated
     schedule = schedule or DHelixSchedule({"enabled": True})
     if schedule.lanes is None:
         schedule.prepare(model, None)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from dhelix.schedules.dhelix import DHelixSchedule
-from dhelix.schedules.microbatch import MicrobatchSteps
+from dhelix.schedules.microbatch import MicrobatchSteps, unwrap_and_evaluate
 from dhelix.strand.executor import run_tiles
 
 TILES = 2
@@ -32,18 +32,14 @@ class IntraBatchSchedule(DHelixSchedule):
 def forward_backward_intra_batch(*, forward_step_func, data_iterator, model,
                                  num_microbatches, seq_length, micro_batch_size,
                                  forward_only=False, schedule=None, **unused):
-    from megatron.core.pipeline_parallel import schedules as ms
     from megatron.core.utils import get_model_config
 
-    if isinstance(model, list):
-        model = model[0]
-    if isinstance(data_iterator, list):
-        data_iterator = data_iterator[0]
+    model, data_iterator, evaluated = unwrap_and_evaluate(
+        model, data_iterator, forward_only, forward_step_func=forward_step_func,
+        num_microbatches=num_microbatches, seq_length=seq_length,
+        micro_batch_size=micro_batch_size)
     if forward_only:
-        return ms.forward_backward_no_pipelining(
-            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=num_microbatches, seq_length=seq_length,
-            micro_batch_size=micro_batch_size, forward_only=True)
+        return evaluated
     if schedule.lanes is None:
         schedule.prepare(model, None)
     schedule.check(model, seq_length, micro_batch_size)

@@ -193,3 +193,20 @@ class MicrobatchSteps:
         if c.finalize_model_grads_func is not None:
             c.finalize_model_grads_func([self.model],
                                         self.tokens if c.calculate_per_token_loss else None)
+
+
+def unwrap_and_evaluate(model, data_iterator, forward_only, **kw):
+    """PP = 1: one model chunk and one data iterator. Returns (model, data_iterator,
+    eval_result): with `forward_only` (evaluation: nothing to pair) megatron's own
+    schedule runs, the DHelix layers in plain mode, and its result is returned."""
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("DHelix without pipeline parallelism takes one model chunk")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    if not forward_only:
+        return model, data_iterator, None
+    from megatron.core.pipeline_parallel import schedules as ms
+    return model, data_iterator, ms.forward_backward_no_pipelining(
+        model=model, data_iterator=data_iterator, forward_only=True, **kw)

@@ -17,7 +17,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from dhelix.base.nodes import node_ids
+from dhelix.base.nodes import _env_int, node_ids
 
 
 class LaunchError(RuntimeError):
@@ -32,14 +32,6 @@ class DistInfo:
     node_rank: int
     backend: str
     device: torch.device
-
-
-def _env_int(*names, default=None) -> Optional[int]:
-    for n in names:
-        v = os.environ.get(n)
-        if v not in (None, ""):
-            return int(v)
-    return default
 
 
 def init_distributed(timeout_s: float = 120.0) -> DistInfo:
