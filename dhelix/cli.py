@@ -32,23 +32,24 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
                         "torchrun or srun")
     g.add_argument("--timeout", type=float, default=None,
                    help="with --nproc: stop all ranks after this many seconds")
-    g.add_argument("--link", default="none", metavar="RATE",
-                   help="with --nproc: run the ranks in a network namespace whose loopback "
-                        "is limited to RATE (e.g. 2gbit; root): an emulated slow cluster")
+    g.add_argument("--link", default="none", metavar="LINK",
+                   help="with --nproc, an emulated cluster link: 'paced:RATE[,LATENCY]' "
+                        "(e.g. paced:2gbit,20us: collectives complete no earlier than a "
+                        "link model says, holding no CPU, like DMA), 'RATE' (e.g. 2gbit: "
+                        "a network namespace whose loopback tc-tbf limits; needs root; "
+                        "every byte costs CPU) or 'none' (default)")
 
 
 def spawn(a, argv) -> int:
-    """Start `a.nproc` local ranks running this same command (behind --link if given)."""
-    from dhelix.bench.netns import NetnsError, SlowLink
+    """Start `a.nproc` local ranks running this same command (on the --link given)."""
+    from dhelix.links import LinkError, launch, parse_link
+    from dhelix.links.tbf import NetnsError
     from dhelix.train.dist import spawn_local
     try:
-        with SlowLink(a.link) as prefix:
-            env = {"DHELIX_LINK": a.link}
-            if prefix:   # a namespace has no hostname entry: c10d warns on every rank
-                env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+        with launch(parse_link(a.link)) as (prefix, env):
             return spawn_local(a.nproc, _strip_launch(argv), timeout_s=a.timeout,
                                prefix=prefix, extra_env=env)
-    except NetnsError as e:
+    except (NetnsError, LinkError) as e:
         print(f"dhelix: error: --link: {e}", file=sys.stderr)
         return 2
 

@@ -37,18 +37,18 @@ def _train_argv(a, out_json, dhelix):
 
 
 def run(a, argv) -> int:
-    from dhelix.bench.netns import SlowLink
+    from dhelix.links import launch, parse_link
     from dhelix.train.dist import spawn_local
 
     out = a.out or tempfile.mkdtemp(prefix="dhelix-demo-")
     os.makedirs(out, exist_ok=True)
     results = {}
     link = f" over a {a.link} link" if a.link != "none" else ""
-    with SlowLink(a.link) as prefix:
+    with launch(parse_link(a.link)) as (prefix, env):
         for name, dh in (("megatron", False), ("dhelix", True)):
             path = os.path.join(out, f"{name}.json")
             print(f"\n=== {name}: {a.nproc} local ranks{link} ===", flush=True)
-            rc = spawn_local(a.nproc, _train_argv(a, path, dh), prefix=prefix)
+            rc = spawn_local(a.nproc, _train_argv(a, path, dh), prefix=prefix, extra_env=env)
             if rc != 0:
                 print(f"dhelix demo: the {name} run failed (exit {rc})", file=sys.stderr)
                 return rc

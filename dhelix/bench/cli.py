@@ -1,7 +1,7 @@
 """`dhelix bench`: the emulated-cluster benchmark (DESIGN §4), all methods in one run.
 
-For each link rate and model size, inside one rate-limited network namespace, the same
-GPT is trained for the same steps by
+For each link (`dhelix.links`: the paced link model, or a tbf-limited namespace) and
+model size, the same GPT is trained for the same steps by
   1. megatron-core (baseline),
   2. the intra-batch overlap peer (two half micro-batches, round-robin),
   3. DHelix with the trivial plan (nothing paired: DHelix's own overheads),
@@ -16,43 +16,43 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
 import time
 from typing import Dict, List
 
+from dhelix.links import parse_link
+
 METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan")
 
 
 def register(sub):
     p = sub.add_parser("bench", help="baseline vs intra-batch peer vs DHelix over "
-                                     "emulated slow links")
-    p.add_argument("--configs", default="small,base", help="comma-separated model configs")
-    p.add_argument("--links", default="none,2gbit,1gbit",
-                   help="comma-separated link rates ('none' = unlimited loopback)")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--tensor-model-parallel-size", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--num-microbatches", type=int, default=4)
-    p.add_argument("--train-iters", type=int, default=6)
+                                     "emulated slow links (tbf links need root)")
+    p.add_argument("--configs", default="small16",
+                   help="comma-separated model configs (default: %(default)s, 16 layers)")
+    p.add_argument("--links", default="none,paced:2gbit,paced:1gbit,2gbit",
+                   help="comma-separated links, each as --link takes it: 'none', "
+                        "'paced:RATE[,LATENCY]' (link model, no CPU cost) or 'RATE' (tc tbf "
+                        "namespace: needs root) (default: %(default)s)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=2,
+                   help="TP, with sequence parallel (default: %(default)s)")
+    p.add_argument("--seq-length", type=int, default=128, help="(default: %(default)s)")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--num-microbatches", type=int, default=8,
+                   help="micro-batches per step (default: %(default)s)")
+    p.add_argument("--train-iters", type=int, default=6,
+                   help="steps per run; the first is not timed (default: %(default)s)")
     p.add_argument("--planner-source", choices=["table", "analytical"], default="table",
                    help="plan 4 from a pairwise table profiled in the same namespace just "
                         "before (DHelix's way), or from the analytical model of this machine")
-    p.add_argument("--profile-repeats", type=int, default=3)
-    p.add_argument("--out", default="bench", help="prefix for .md, .json and .png")
+    p.add_argument("--profile-repeats", type=int, default=3,
+                   help="timed repeats per op and pair in the profile (default: %(default)s)")
+    p.add_argument("--out", default="bench", help="prefix for .md, .json and .png "
+                                                  "(default: %(default)s)")
     p.set_defaults(func=run)
-
-
-def link_GBps(rate: str) -> float:
-    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)(bit|bps)", rate.strip().lower())
-    if not m:
-        raise ValueError(f"--links: cannot read rate {rate!r} (use e.g. 2gbit)")
-    mult = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-    v = float(m.group(1)) * mult
-    return v / 8e9 if m.group(3) == "bit" else v / 1e9
 
 
 def machine_cluster(rate: str, path: str) -> str:
@@ -68,7 +68,11 @@ def machine_cluster(rate: str, path: str) -> str:
     for _ in range(n):
         a @ b
     flops = 2 * 512 ** 3 * n / (time.perf_counter() - t)
-    bw = link_GBps(rate) / 2 if rate != "none" else 5.0
+    link = parse_link(rate)
+    # a tbf loopback carries both directions through one bucket; the paced link models a
+    # full-duplex link per rank
+    bw = {"none": 5.0, "tbf": link.rate_Bps / 2e9, "paced": link.rate_Bps / 1e9}[link.kind]
+    lat = {"none": 60, "tbf": 60, "paced": link.latency_s * 1e6}[link.kind]
     with open(path, "w") as f:
         f.write(f"""name: this-machine-{rate}
 peak_flops:
@@ -77,14 +81,28 @@ peak_flops:
 achieved_fraction: 1.0
 gpus_per_node: 2
 intra_node:
-  bandwidth_GBps: {bw:.4f}   # the emulated link, shared by both directions on loopback
-  latency_us: 60
+  bandwidth_GBps: {bw:.4f}   # the emulated link ({rate})
+  latency_us: {lat:g}
 inter_node:
   bandwidth_GBps: {bw:.4f}
-  latency_us: 60
+  latency_us: {lat:g}
 comm_compute_slowdown: 0.1
 """)
     return path
+
+
+def _split_links(text: str) -> List[str]:
+    """'none,paced:2gbit,20us,1gbit' -> ['none', 'paced:2gbit,20us', '1gbit']: a latency
+    after a paced rate belongs to it."""
+    out: List[str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if out and out[-1].startswith("paced:") and "," not in out[-1] and \
+                part[:1].isdigit() and part.rstrip("0123456789.").endswith(("us", "ms", "s")) \
+                and not part.endswith(("bit", "bps")):
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
 
 
 def _argv(a, cfg, out_json, method, cluster, trace):
@@ -128,23 +146,25 @@ def step_time(r: dict) -> float:
 def run(a, argv) -> int:
     from tqdm import tqdm
 
-    from dhelix.bench.netns import NetnsError, SlowLink
+    from dhelix.links import LinkError, launch
+    from dhelix.links.tbf import NetnsError
     from dhelix.train.dist import spawn_local
 
     configs = [c for c in a.configs.split(",") if c]
-    links = [l for l in a.links.split(",") if l]
-    for l in links:
-        if l != "none":
-            link_GBps(l)
+    try:
+        links = [parse_link(l, "--links") for l in _split_links(a.links)]
+    except LinkError as e:
+        print(f"dhelix bench: error: {e}", file=sys.stderr)
+        return 2
     work = tempfile.mkdtemp(prefix="dhelix-bench-")
     log = os.path.join(work, "runs.log")
     rows: List[dict] = []
     per = len(METHODS) + (a.planner_source == "table")
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
-        for link in links:
-            with SlowLink(link) as prefix:
-                env = {"DHELIX_LINK": link, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+        for lk in links:
+            link = lk.text
+            with launch(lk) as (prefix, env):
                 for cfg in configs:
                     if a.planner_source == "table":
                         cluster = os.path.join(work, f"table-{cfg}-{link}.json")

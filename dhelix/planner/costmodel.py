@@ -120,9 +120,18 @@ def comm_time(op: OpSpec, cluster: dict, n: int) -> float:
     lane = cluster["inter_node" if op.lane == "inter" else "intra_node"]
     bw = float(lane["bandwidth_GBps"]) * 1e9 * float(lane.get("efficiency", 1.0))
     lat = float(lane.get("latency_us", 0.0)) * 1e-6
-    nbytes = float(op.comm_bytes)
-    coll = (op.collective or "").lower()
-    if n <= 1 and coll not in ("send", "recv", "p2p", "send_recv", "sendrecv"):
+    return collective_seconds(op.collective or "", float(op.comm_bytes), n, bw, lat)
+
+
+P2P = ("send", "recv", "p2p", "send_recv", "sendrecv", "broadcast")
+
+
+def collective_seconds(collective: str, nbytes: float, n: int, bw: float, lat: float) -> float:
+    """Ring-algorithm time of one collective: `nbytes` is the whole buffer (NCCL's
+    "size"), `n` the group size, `bw` bytes/s per direction per rank, `lat` seconds per
+    hop. The one formula behind the analytical model and the paced link."""
+    coll = collective.lower()
+    if n <= 1 and coll not in P2P:
         return 0.0
     if coll in ("all_gather", "allgather", "reduce_scatter", "reducescatter",
                 "all_to_all", "alltoall"):

@@ -49,6 +49,8 @@ def init_distributed(timeout_s: float = 120.0) -> DistInfo:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        from dhelix.links.paced import install_from_env
+        install_from_env()          # --link paced:...: before the first collective
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local, node_ids(world)[rank], backend, device)

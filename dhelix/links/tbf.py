@@ -1,4 +1,4 @@
-"""A network namespace whose loopback is rate-limited (DESIGN §4), as a context manager.
+"""The tbf link: a network namespace whose loopback is rate-limited, as a context manager.
 
 Local gloo ranks started inside it talk over a link of the given rate, like a cluster
 whose links are slow relative to its compute. Needs root and iproute2; the namespace is

@@ -1,0 +1,191 @@
+"""The paced link: collectives at loopback speed, completed no earlier than a link model.
+
+Installed in a rank process (before any collective) when DHELIX_LINK is `paced:...`, the
+same way for megatron's baseline and for DHelix. It wraps the collective methods of
+torch's ProcessGroup class, so every path is seen: megatron's synchronous collectives
+inside its layers and mappings (whatever function references they captured), DDP's
+coalesced grad reduce, DHelix's asynchronous lane collectives.
+
+For a collective on any group but the default one (the default group carries control
+traffic: barriers, plan checks): the link model gives its duration — the ring formula of
+the analytical cost model (`planner.costmodel.collective_seconds`, one source for both)
+with the link's RATE and per-hop LATENCY — and a FIFO link per group (per node pair for
+groups that span nodes) gives its start: when the link is free, or when it is issued.
+The real collective runs at once on the loopback; its Work's `wait()` waits for it and
+then sleeps until the modelled completion: a timed wait that holds no core, as a NIC or
+NVLink moving bytes by DMA leaves the cores free. Not modelled: the SMs a real NCCL
+kernel occupies, contention between different links, and congestion.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from dhelix.links import Link
+from dhelix.planner.costmodel import collective_seconds
+
+_PG = torch._C._distributed_c10d.ProcessGroup
+
+# method -> (collective kind, index of the positional argument whose tensors give the
+# buffer size: all-gather output, reduce-scatter input, all-reduce buffer, ...)
+METHODS = {
+    "allreduce": ("all_reduce", 0),
+    "allreduce_coalesced": ("all_reduce", 0),
+    "_allgather_base": ("all_gather", 0),
+    "all_gather_single": ("all_gather", 0),
+    "allgather": ("all_gather", 0),
+    "allgather_into_tensor_coalesced": ("all_gather", 0),
+    "all_gather_single_coalesced": ("all_gather", 0),
+    "_reduce_scatter_base": ("reduce_scatter", 1),
+    "reduce_scatter_single": ("reduce_scatter", 1),
+    "reduce_scatter": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 1),
+    "reduce_scatter_single_coalesced": ("reduce_scatter", 1),
+    "alltoall_base": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all", 1),
+    "alltoall": ("all_to_all", 1),
+    "broadcast": ("broadcast", 0),
+    "send": ("send", 0),
+    "recv": ("recv", 0),
+}
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+class PacedWork(dist.Work):
+    """A collective's Work that completes no earlier than the link model's time."""
+
+    def __init__(self, inner, done_at: float, link: "PacedLink"):
+        super().__init__()
+        self.inner, self.done_at, self.link = inner, done_at, link
+
+    def wait(self, timeout=None):
+        if self.inner is not None:
+            if timeout is None:
+                self.inner.wait()
+            else:
+                self.inner.wait(timeout)
+        left = self.done_at - time.perf_counter()
+        if left > 0:
+            self.link.waited_s += left
+            time.sleep(left)          # releases the GIL, holds no core
+        return True
+
+    def is_completed(self):
+        return (self.inner is None or self.inner.is_completed()) and \
+            time.perf_counter() >= self.done_at
+
+    def is_success(self):
+        return self.inner is None or self.inner.is_success()
+
+    def exception(self):
+        return None if self.inner is None else self.inner.exception()
+
+    def get_future(self):
+        return self.inner.get_future()
+
+    def source_rank(self):
+        return self.inner.source_rank()
+
+    def result(self):
+        return self.inner.result()
+
+    def synchronize(self):
+        return self.wait()
+
+
+class PacedLink:
+    def __init__(self, rate_Bps: float, latency_s: float):
+        self.rate, self.latency = rate_Bps, latency_s
+        self.free_at: Dict[str, float] = {}       # link -> when it is next free
+        self.last_done: Dict[int, float] = {}     # group -> its latest modelled completion
+        self._keys: Dict[int, Optional[str]] = {}
+        self.lock = threading.Lock()              # DDP hooks may run on autograd's thread
+        self.modelled_s = 0.0                     # statistics for tests and reports
+        self.waited_s = 0.0
+        self.count = 0
+
+    def link_of(self, pg) -> Optional[str]:
+        """The link a group's collectives queue on; None for the default group."""
+        k = id(pg)
+        if k not in self._keys:
+            default = dist.distributed_c10d._get_default_group()
+            if pg is default or pg.size() < 2:
+                self._keys[k] = None
+            else:
+                from dhelix.base.nodes import node_ids
+                ranks = dist.get_process_group_ranks(pg)
+                nodes = sorted({node_ids(dist.get_world_size())[r] for r in ranks})
+                self._keys[k] = (f"intra:{pg.group_name}" if len(nodes) == 1
+                                 else "inter:" + "-".join(map(str, nodes)))
+        return self._keys[k]
+
+    def schedule(self, pg, collective: str, nbytes: int) -> Optional[float]:
+        """The modelled completion time of a collective issued now (host clock)."""
+        key = self.link_of(pg)
+        if key is None:
+            return None
+        dur = collective_seconds(collective, float(nbytes), pg.size(), self.rate,
+                                 self.latency)
+        with self.lock:
+            now = time.perf_counter()
+            done = max(now, self.free_at.get(key, 0.0)) + dur
+            self.free_at[key] = done
+            self.last_done[id(pg)] = done
+            self.modelled_s += dur
+            self.count += 1
+        return done
+
+
+_ACTIVE: Dict[str, PacedLink] = {}
+
+
+def install(link: Link) -> PacedLink:
+    """Wrap ProcessGroup's collective methods with `link`'s model (once per process)."""
+    if "link" in _ACTIVE:
+        return _ACTIVE["link"]
+    paced = PacedLink(link.rate_Bps, link.latency_s)
+    for name, (collective, arg) in METHODS.items():
+        orig = getattr(_PG, name, None)
+        if orig is not None:
+            setattr(_PG, name, _wrap(orig, paced, collective, arg))
+    end = getattr(_PG, "_end_coalescing", None)
+    if end is not None:
+        def end_coalescing(self, *a, **k):
+            # old-style coalescing: the ops inside were scheduled one by one
+            return PacedWork(end(self, *a, **k), paced.last_done.get(id(self), 0.0), paced)
+        _PG._end_coalescing = end_coalescing
+    _ACTIVE["link"] = paced
+    return paced
+
+
+def _wrap(orig, paced: PacedLink, collective: str, arg: int):
+    def method(self, *a, **k):
+        nbytes = _nbytes(a[arg]) if len(a) > arg else 0
+        done = paced.schedule(self, collective, nbytes)
+        work = orig(self, *a, **k)
+        return work if done is None else PacedWork(work, done, paced)
+    method.__name__ = orig.__name__ if hasattr(orig, "__name__") else "collective"
+    return method
+
+
+def active() -> Optional[PacedLink]:
+    return _ACTIVE.get("link")
+
+
+def install_from_env() -> Optional[PacedLink]:
+    """Install the paced link this process's DHELIX_LINK names, if it is one."""
+    import os
+    from dhelix.links import parse_link
+    link = parse_link(os.environ.get("DHELIX_LINK", "none"), "DHELIX_LINK")
+    return install(link) if link.kind == "paced" else None
