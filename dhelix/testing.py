@@ -93,4 +93,6 @@ def run_ranks(fn: Callable, nranks: int, *args, timeout: float = 120.0,
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        from dhelix.links.shm import remove_segments
+        remove_segments(port)
     return [results[r] for r in range(nranks)]

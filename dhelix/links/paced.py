@@ -11,10 +11,12 @@ traffic: barriers, plan checks): the link model gives its duration — the ring 
 the analytical cost model (`planner.costmodel.collective_seconds`, one source for both)
 with the link's RATE and per-hop LATENCY — and a FIFO link per group (per node pair for
 groups that span nodes) gives its start: when the link is free, or when it is issued.
-The real collective runs at once on the loopback; its Work's `wait()` waits for it and
-then sleeps until the modelled completion: a timed wait that holds no core, as a NIC or
-NVLink moving bytes by DMA leaves the cores free. Not modelled: the SMs a real NCCL
-kernel occupies, contention between different links, and congestion.
+The data moves at once: through shared memory for the all-gathers, reduce-scatters and
+sum all-reduces of ranks on this machine (`shm.py`: gloo's loopback TCP would cost as
+much CPU as the link time being modelled), through gloo otherwise. The Work's `wait()`
+waits for the data, then sleeps until the modelled completion: a timed wait that holds
+no core, as a NIC or NVLink moving bytes by DMA leaves the cores free. Not modelled: the
+SMs a real NCCL kernel occupies, contention between different links, and congestion.
 """
 from __future__ import annotations
 
@@ -110,6 +112,7 @@ class PacedLink:
         self.free_at: Dict[str, float] = {}       # link -> when it is next free
         self.last_done: Dict[int, float] = {}     # group -> its latest modelled completion
         self._keys: Dict[int, Optional[str]] = {}
+        self.shm_groups: Dict[int, object] = {}   # group -> shm.ShmGroup (or None)
         self.lock = threading.Lock()              # DDP hooks may run on autograd's thread
         self.modelled_s = 0.0                     # statistics for tests and reports
         self.waited_s = 0.0
@@ -158,7 +161,7 @@ def install(link: Link) -> PacedLink:
     for name, (collective, arg) in METHODS.items():
         orig = getattr(_PG, name, None)
         if orig is not None:
-            setattr(_PG, name, _wrap(orig, paced, collective, arg))
+            setattr(_PG, name, _wrap(orig, paced, collective, arg, name))
     end = getattr(_PG, "_end_coalescing", None)
     if end is not None:
         def end_coalescing(self, *a, **k):
@@ -169,12 +172,50 @@ def install(link: Link) -> PacedLink:
     return paced
 
 
-def _wrap(orig, paced: PacedLink, collective: str, arg: int):
+# methods whose data can move through shared memory: name -> (kind, tensors from args)
+SHM = {
+    "allreduce": "all_reduce", "_allgather_base": "all_gather",
+    "all_gather_single": "all_gather", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+}
+
+
+def _shm_work(paced: PacedLink, pg, name: str, a, k):
+    """The collective on shared memory, or None where it must go to gloo (another op
+    than a sum, a list of tensors, a message larger than a slot, ranks on two hosts)."""
+    from dhelix.links import shm
+    kind = SHM.get(name)
+    if kind is None:
+        return None
+    opts = a[-1] if len(a) > (1 if kind == "all_reduce" else 2) else k.get("opts")
+    if kind != "all_gather":
+        op = getattr(opts, "reduceOp", None)
+        if op is None or not op == dist.ReduceOp.SUM:
+            return None
+    if kind == "all_reduce":
+        ts = a[0]
+        if not isinstance(ts, (list, tuple)) or len(ts) != 1:
+            return None
+        tensors = (ts[0],)
+    else:
+        tensors = tuple(a[:2])
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in tensors) \
+            or not shm.ShmGroup.fits(max(_nbytes(t) for t in tensors)):
+        return None
+    group = shm.shm_group_for(pg, paced.shm_groups)
+    if group is None:
+        return None
+    return getattr(shm, kind)(group, *tensors)
+
+
+def _wrap(orig, paced: PacedLink, collective: str, arg: int, name: str):
     def method(self, *a, **k):
         nbytes = _nbytes(a[arg]) if len(a) > arg else 0
         done = paced.schedule(self, collective, nbytes)
-        work = orig(self, *a, **k)
-        return work if done is None else PacedWork(work, done, paced)
+        if done is None:
+            return orig(self, *a, **k)
+        work = _shm_work(paced, self, name, a, k) or orig(self, *a, **k)
+        return PacedWork(work, done, paced)
     method.__name__ = orig.__name__ if hasattr(orig, "__name__") else "collective"
     return method
 

@@ -107,4 +107,6 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                 p.kill()
         if sink is not None:
             sink.close()
+        from dhelix.links.shm import remove_segments
+        remove_segments(port)
     return rc
