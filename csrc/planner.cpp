@@ -24,6 +24,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <limits>
@@ -134,8 +135,10 @@ class Problem {
   Problem(std::vector<int> f_lane, std::vector<int> b_lane, std::vector<int64_t> f_bits,
           std::vector<int64_t> b_bits, std::vector<double> f_T, std::vector<double> b_T,
           std::vector<double> f_saved, std::vector<double> b_saved, std::vector<double> f_temp,
-          std::vector<double> b_temp, std::vector<double> S, double base)
-      : f_lane_(std::move(f_lane)), b_lane_(std::move(b_lane)), f_T_(std::move(f_T)),
+          std::vector<double> b_temp, std::vector<double> S, double base,
+          std::vector<int> f_reader, std::vector<int> b_reader)
+      : f_lane_(std::move(f_lane)), b_lane_(std::move(b_lane)),
+        f_reader_(std::move(f_reader)), b_reader_(std::move(b_reader)), f_T_(std::move(f_T)),
         b_T_(std::move(b_T)), f_saved_(std::move(f_saved)), b_saved_(std::move(b_saved)),
         f_temp_(std::move(f_temp)), b_temp_(std::move(b_temp)), S_(std::move(S)), base_(base) {
     n_ = static_cast<int>(f_lane_.size());
@@ -153,6 +156,12 @@ class Problem {
     need(f_temp_.size(), n_, "f_temp");
     need(b_temp_.size(), m_, "b_temp");
     need(S_.size(), static_cast<size_t>(n_) * m_, "stretch");
+    need(f_reader_.size(), n_, "f_reader");
+    need(b_reader_.size(), m_, "b_reader");
+    for (int v : f_lane_)
+      if (v < 0 || v > 2) throw std::invalid_argument("Problem: f_lane must be 0, 1 or 2");
+    for (int v : b_lane_)
+      if (v < 0 || v > 2) throw std::invalid_argument("Problem: b_lane must be 0, 1 or 2");
     L_ = Legality(f_bits, b_bits);
     f_pre_.assign(n_ + 1, 0.0);
     for (int k = 0; k < n_; ++k) f_pre_[k + 1] = f_pre_[k] + f_saved_[k];
@@ -166,86 +175,97 @@ class Problem {
 
   double level(int i, int j) const { return (base_ + f_pre_[i]) - b_pre_[j]; }
 
-  // One step: LaneModel.step of simulate.py.  Returns (time, peak, mem at end).
+  // One step: LaneModel.step of simulate.py (the executor's replay).  Returns (time,
+  // peak, mem at end).  Same operations in the same order as the Python, so both give
+  // bit-identical results.
   std::tuple<double, double, double> simulate(const int* fidx, int na, const int* bidx, int nb,
                                               double mem0) const {
-    int ia = 0, ib = 0;
-    bool run_a = false, run_b = false;
-    double rem_a = 0.0, rem_b = 0.0, ready_a = 0.0, ready_b = 0.0;
-    double t = 0.0, mem = mem0, peak = mem0;
+    struct Q { int x; const int* lst; int len; };
+    Q qs[2];
+    int nq = 0;
+    if (na > 0) qs[nq++] = {0, fidx, na};
+    if (nb > 0) qs[nq++] = {1, bidx, nb};
+    auto lane = [&](int x, int k) { return x == 0 ? f_lane_[k] : b_lane_[k]; };
+    auto first_comm = [&](const Q& q) {
+      for (int i = 0; i < q.len; ++i)
+        if (lane(q.x, q.lst[i]) != 0) return i;
+      return q.len;
+    };
+    if (nq == 2 && first_comm(qs[1]) < first_comm(qs[0])) std::swap(qs[0], qs[1]);
+    int pos[2] = {0, 0};
+    int cur = 0;
+    double t = 0.0;
+    double lane_free[3] = {0.0, 0.0, 0.0};
+    struct Comm { int x, k; double s, e; };
+    std::vector<Comm> comms;
+    struct MEv { double time; int kind; int seq; double bytes; };
+    std::vector<MEv> mevs;
+    double span = 0.0;
     while (true) {
-      const bool can_a = !run_a && ia < na;
-      const bool can_b = !run_b && ib < nb;
-      if (can_a || can_b) {
-        const bool b_first = can_a && can_b && ready_b < ready_a;
-        for (int pass = 0; pass < 2; ++pass) {
-          const int which = b_first ? 1 - pass : pass;
-          if (which == 0) {
-            if (!can_a) continue;
-            const int k = fidx[ia];
-            if (run_b && b_lane_[bidx[ib]] == f_lane_[k]) continue;
-            run_a = true;
-            rem_a = f_T_[k];
-            mem = mem + f_temp_[k];
-            mem = mem + f_saved_[k];
-            if (mem > peak) peak = mem;
-          } else {
-            if (!can_b) continue;
-            const int k = bidx[ib];
-            if (run_a && f_lane_[fidx[ia]] == b_lane_[k]) continue;
-            run_b = true;
-            rem_b = b_T_[k];
-            mem = mem + b_temp_[k];
-            if (mem > peak) peak = mem;
+      if (pos[0] >= qs[0].len && (nq < 2 || pos[1] >= qs[1].len)) break;
+      if (pos[cur] >= qs[cur].len) { cur = 1 - cur; continue; }
+      const int x = qs[cur].x;
+      const int k = qs[cur].lst[pos[cur]];
+      ++pos[cur];
+      const std::vector<int>& rd = x == 0 ? f_reader_ : b_reader_;
+      double ready = t;
+      for (const Comm& c : comms)
+        if (c.x == x && rd[c.k] == k && c.e > ready) ready = c.e;
+      double alloc, free_;
+      if (x == 0) {
+        alloc = f_temp_[k] + f_saved_[k];
+        free_ = f_temp_[k];
+      } else {
+        alloc = b_temp_[k];
+        free_ = b_temp_[k] + b_saved_[k];
+      }
+      double st, end;
+      const int ln = lane(x, k);
+      if (ln == 0) {
+        st = ready;
+        const double w = x == 0 ? f_T_[k] : b_T_[k];
+        end = st + w;
+        for (const Comm& c : comms) {
+          if (c.x != x && c.s <= st && st < c.e) {
+            const double s = x == 0 ? S_[static_cast<size_t>(k) * m_ + c.k]
+                                    : S_[static_cast<size_t>(c.k) * m_ + k];
+            if (s > 1.0) {
+              if (st + w * s <= c.e) end = st + w * s;
+              else end = c.e + (w - (c.e - st) / s);
+            }
+            break;
           }
         }
-      }
-      if (!run_a && !run_b) break;
-      double s, dt;
-      bool fin_a, fin_b;
-      if (run_a && run_b) {
-        s = S_[static_cast<size_t>(fidx[ia]) * m_ + bidx[ib]];
-        const double da = rem_a * s;
-        const double db = rem_b * s;
-        if (da < db) {
-          dt = da; fin_a = true; fin_b = false;
-        } else if (db < da) {
-          dt = db; fin_a = false; fin_b = true;
-        } else {
-          dt = da; fin_a = true; fin_b = true;
-        }
-      } else if (run_a) {
-        s = 1.0; dt = rem_a; fin_a = true; fin_b = false;
+        t = end;
       } else {
-        s = 1.0; dt = rem_b; fin_a = false; fin_b = true;
+        st = ready > lane_free[ln] ? ready : lane_free[ln];
+        end = st + (x == 0 ? f_T_[k] : b_T_[k]);
+        lane_free[ln] = end;
+        comms.push_back({x, k, st, end});
+        t = ready;
+        if (nq == 2) cur = 1 - cur;
       }
-      const double t_end = t + dt;
-      if (run_a) {
-        if (fin_a) {
-          const int k = fidx[ia];
-          mem = mem - f_temp_[k];
-          ready_a = t_end;
-          ++ia;
-          run_a = false;
-        } else {
-          rem_a = rem_a - dt / s;
-        }
-      }
-      if (run_b) {
-        if (fin_b) {
-          const int k = bidx[ib];
-          mem = mem - b_temp_[k];
-          mem = mem - b_saved_[k];
-          ready_b = t_end;
-          ++ib;
-          run_b = false;
-        } else {
-          rem_b = rem_b - dt / s;
-        }
-      }
-      t = t_end;
+      const int seq_a = static_cast<int>(mevs.size());
+      mevs.push_back({ready, 1, seq_a, alloc});
+      mevs.push_back({end, 0, seq_a + 1, free_});
+      if (end > span) span = end;
     }
-    return {t, peak, mem};
+    if (t > span) span = t;
+    std::sort(mevs.begin(), mevs.end(), [](const MEv& a, const MEv& b) {
+      if (a.time != b.time) return a.time < b.time;
+      if (a.kind != b.kind) return a.kind < b.kind;
+      return a.seq < b.seq;
+    });
+    double mem = mem0, peak = mem0;
+    for (const MEv& e : mevs) {
+      if (e.kind == 1) {
+        mem = mem + e.bytes;
+        if (mem > peak) peak = mem;
+      } else {
+        mem = mem - e.bytes;
+      }
+    }
+    return {span, peak, mem};
   }
 
   std::pair<double, double> step(int i1, int i2, int j1, int j2) {
@@ -297,7 +317,7 @@ class Problem {
   }
 
   int n_ = 0, m_ = 0;
-  std::vector<int> f_lane_, b_lane_;
+  std::vector<int> f_lane_, b_lane_, f_reader_, b_reader_;
   std::vector<double> f_T_, b_T_, f_saved_, b_saved_, f_temp_, b_temp_, S_;
   double base_;
   Legality L_;
@@ -327,11 +347,12 @@ PYBIND11_MODULE(_planner_core, mod) {
       .def(py::init<std::vector<int>, std::vector<int>, std::vector<int64_t>,
                     std::vector<int64_t>, std::vector<double>, std::vector<double>,
                     std::vector<double>, std::vector<double>, std::vector<double>,
-                    std::vector<double>, std::vector<double>, double>(),
+                    std::vector<double>, std::vector<double>, double, std::vector<int>,
+                    std::vector<int>>(),
            py::arg("f_lane"), py::arg("b_lane"), py::arg("f_group_bits"),
            py::arg("b_group_bits"), py::arg("f_T"), py::arg("b_T"), py::arg("f_saved"),
            py::arg("b_saved"), py::arg("f_temp"), py::arg("b_temp"), py::arg("stretch"),
-           py::arg("base_bytes"))
+           py::arg("base_bytes"), py::arg("f_reader"), py::arg("b_reader"))
       .def("step", &Problem::step, py::arg("i1"), py::arg("i2"), py::arg("j1"), py::arg("j2"))
       .def("step_indices", &Problem::step_indices, py::arg("fidx"), py::arg("bidx"),
            py::arg("mem0") = 0.0)

@@ -32,6 +32,10 @@ def _rank_main(fn, args, kwargs, rank, world, port, env, q):
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                            "DHELIX_FORCE_CPU": "1"})
+        from dhelix.base.nodes import local_cpus
+        cpus = local_cpus(rank, world)
+        if cpus:
+            os.environ.setdefault("DHELIX_CPUS", cpus)
         os.environ.update(env or {})
         import torch
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -30,3 +30,24 @@ def node_ids(world_size: int) -> List[int]:
         return ids
     per_node = _env_int("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", default=world_size)
     return [r // max(per_node, 1) for r in range(world_size)]
+
+
+def local_cpus(local_rank: int, nproc: int) -> Optional[str]:
+    """The cores local rank `local_rank` of `nproc` is pinned to ("2,3"), or None when
+    there are fewer cores than ranks. Pinned ranks keep their caches and do not steal
+    each other's core: on a 2-core machine an unpinned run's op times swing ±40%."""
+    n = os.cpu_count() or 1
+    if nproc > n:
+        return None
+    k = n // nproc
+    return ",".join(str(c) for c in range(local_rank * k, (local_rank + 1) * k))
+
+
+def pin_to_cpus() -> None:
+    """Apply DHELIX_CPUS (set by the local launchers) to this process."""
+    spec = os.environ.get("DHELIX_CPUS")
+    if spec and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, {int(c) for c in spec.split(",")})
+        except OSError:
+            pass          # fewer cores than the launcher saw (a container): stay unpinned

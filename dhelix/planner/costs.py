@@ -6,6 +6,10 @@ A `CostTable` is plain data.  For one layer (identified by `LayerOps.signature()
 * ``alone_b[name]`` -- seconds for backward op ``name`` run alone,
 * ``pair[(f, b)]``  -- seconds from launching forward op ``f`` and backward op ``b``
   together until both are done,
+* optionally ``in_step_f[name]`` / ``in_step_b[name]`` -- seconds of a compute op measured
+  inside a whole layer step (its inputs just produced by the ops before it, the other
+  strand's tensors alive), which the simulator takes as the op's duration where given;
+  the alone times stay the basis of the pairs' overlap factors,
 
 plus a free-form ``provenance`` dict that records what it was measured on (model shape,
 dtype, parallel sizes, hardware, library versions, or "analytical" and the cluster file).
@@ -17,6 +21,7 @@ File format (JSON)::
      "forward": [names...], "backward": [names...],
      "alone_f": {"qkv": 1.2e-3, ...}, "alone_b": {...},
      "pair": {"qkv": {"rs_mlp_b": 1.5e-3, ...}, ...},      # pair[f][b]
+     "in_step_f": {...}, "in_step_b": {...},                # optional
      "provenance": {...}}
 
 Every problem with a table file raises `TableError` naming the file and what is wrong.
@@ -57,6 +62,8 @@ class CostTable:
     alone_b: Dict[str, float] = field(default_factory=dict)
     pair: Dict[Tuple[str, str], float] = field(default_factory=dict)
     provenance: Dict = field(default_factory=dict)
+    in_step_f: Dict[str, float] = field(default_factory=dict)
+    in_step_b: Dict[str, float] = field(default_factory=dict)
 
     # ---- construction ---------------------------------------------------------------
     @staticmethod
@@ -141,7 +148,8 @@ class CostTable:
         return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "signature": self.signature,
                 "forward": list(self.forward), "backward": list(self.backward),
                 "alone_f": dict(self.alone_f), "alone_b": dict(self.alone_b),
-                "pair": nested, "provenance": self.provenance}
+                "pair": nested, "in_step_f": dict(self.in_step_f),
+                "in_step_b": dict(self.in_step_b), "provenance": self.provenance}
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -174,8 +182,15 @@ class CostTable:
         prov = d.get("provenance", {})
         if not isinstance(prov, dict):
             raise TableError(f"{source}: field 'provenance' must be an object")
+        in_step = []
+        for key in ("in_step_f", "in_step_b"):
+            v = d.get(key, {})
+            if not isinstance(v, dict):
+                raise TableError(f"{source}: field '{key}' must be an object")
+            in_step.append({str(k): _num(x, source, f"{key}[{k}]") for k, x in v.items()})
         return CostTable(str(d["signature"]), [str(n) for n in d["forward"]],
-                         [str(n) for n in d["backward"]], alone_f, alone_b, pair, prov)
+                         [str(n) for n in d["backward"]], alone_f, alone_b, pair, prov,
+                         in_step[0], in_step[1])
 
     @staticmethod
     def load(path: str, layer: Optional[LayerOps] = None, pairs: str = "all",

@@ -197,7 +197,7 @@ def _cpp_problem(model: LaneModel, L: _Legality):
     flat_S = [v for row in model.S for v in row]
     return _core.Problem(model.f_lane, model.b_lane, L.f_bits, L.b_bits, model.f_T, model.b_T,
                          model.f_saved, model.b_saved, model.f_temp, model.b_temp, flat_S,
-                         model.base)
+                         model.base, model.f_reader, model.b_reader)
 
 
 def _min_peak(L: _Legality, step) -> float:

@@ -1,29 +1,35 @@
 """Event simulator of DESIGN §1.5: plays a plan on the three lanes, predicts makespan and
 peak memory.
 
-Model of one step (α = the forward segment, β = the backward segment):
+A step is replayed the way the executor (`strand.executor.execute_step`) runs it:
 
-* Each strand is a chain: an op starts only after the previous op of its strand ended
-  (a comm op waits for the compute before it, compute after a comm waits for the comm).
-  So at most two ops run at any time, one per strand.
-* Lanes: ``compute`` is ONE lane shared by both strands; ``intra`` and ``inter`` are one
-  lane each.  An op runs only while no op of the other strand holds its lane.  Lanes are
-  non-preemptive.  When both strands want the same free lane, the op that became ready
-  first starts first; on a tie (same ready time, e.g. at the step's start) α goes first.
-  (The executor approximates this by issuing, at each point, α's next op before β's.)
-* Interference: two ops on different lanes that run at the same time both progress at
-  rate 1/s, s = stretch(f, b) = max(1, 1 + (P - max(T_f, T_b)) / min(T_f, T_b))
-  = max(1, 2 - OEF(f, b)) from the pair table; an op running alone progresses at rate 1.
-  This reproduces the measurement it comes from: two ops launched together end exactly
-  after P (for P >= max(T_f, T_b); a P below that is treated as perfect overlap).
-  OEF = 1 -> no slow-down; OEF = 0 -> each runs at half speed while they overlap.
-* A step ends at a barrier when all its ops are done; the plan's makespan is the sum of
-  its steps' times.
+* One thread issues both strands' ops. It starts with the strand whose first comm op
+  comes earliest, runs that strand's ops in order until it has launched a comm op, then
+  switches to the other strand (a strand with nothing left yields its turn).
+* A compute op runs on the thread: it starts when the thread is free and the comm ops
+  whose result it reads (`readers`) have ended, and the thread is busy until it ends.
+  So the two strands' compute never overlaps, and a strand that waits for its own comm
+  stalls the thread, as in the executor.
+* A comm op is issued when the thread reaches it (and its own input is ready) and costs
+  the thread nothing; it runs on its lane (`intra` or `inter`) first-in first-out: it
+  starts when the lane is free. Ops of one strand therefore overlap too: a wgrad beside
+  the reduce-scatter issued just before it, a dgrad beside the re-gather for the wgrad.
+* Interference: a compute op running while the other strand's comm op is on its lane
+  progresses at rate 1/s; the comm keeps its alone time. s comes from the pair table so
+  that the two launched together end after the measured P (`compute_slowdown`). On a
+  link that moves bytes without the cores (a NIC, NVLink, the paced link) s is 1.
+* A step ends at a barrier when the thread is done and every comm op has ended; the
+  plan's makespan is the sum of its steps' times.
 * Memory: the run starts with ``base_bytes`` (default: the ``saved_bytes`` of all backward
-  ops, i.e. β's activations are alive).  A forward op allocates its ``saved_bytes`` and
-  ``temp_bytes`` when it starts and frees ``temp_bytes`` when it ends; a backward op
-  allocates ``temp_bytes`` when it starts and frees ``temp_bytes + saved_bytes`` when it
-  ends.  The peak is taken after every start.
+  ops, i.e. β's activations are alive). A forward op allocates its ``saved_bytes`` and
+  ``temp_bytes`` when it starts (a comm op: when issued) and frees ``temp_bytes`` when it
+  ends; a backward op allocates ``temp_bytes`` when it starts and frees ``temp_bytes +
+  saved_bytes`` when it ends. Events are applied in time order (frees before
+  allocations at equal times); the peak is taken after every allocation.
+
+Which op reads a comm op's result (`comm_readers`): the next op of its chain that is not
+a wgrad op; for a comm op that is itself a wgrad op (the re-gather of a wgrad's input),
+the wgrad op that names it in `after`.
 
 `LaneModel.step` is the single-step function; the DP planner (and the C++ core, which
 mirrors it operation by operation so both give bit-identical times) uses it as the cost
@@ -74,14 +80,19 @@ class LaneModel:
         self.b_names = [o.name for o in layer.backward]
         self.f_lane = [LANE_ID[o.lane] for o in layer.forward]
         self.b_lane = [LANE_ID[o.lane] for o in layer.backward]
-        self.f_T = [float(table.alone_f[o.name]) for o in layer.forward]
-        self.b_T = [float(table.alone_b[o.name]) for o in layer.backward]
+        # an op's duration: measured inside a layer step where the table has it
+        self.f_T = [float(table.in_step_f.get(o.name, table.alone_f[o.name]))
+                    for o in layer.forward]
+        self.b_T = [float(table.in_step_b.get(o.name, table.alone_b[o.name]))
+                    for o in layer.backward]
         self.f_saved = [float(o.saved_bytes) for o in layer.forward]
         self.b_saved = [float(o.saved_bytes) for o in layer.backward]
         self.f_temp = [float(o.temp_bytes) for o in layer.forward]
         self.b_temp = [float(o.temp_bytes) for o in layer.backward]
-        self.S = [[table.stretch(f.name, b.name) if concurrent(f, b) else 1.0
-                   for b in layer.backward] for f in layer.forward]
+        self.S = [[compute_slowdown(f, b, table) for b in layer.backward]
+                   for f in layer.forward]
+        self.f_reader = comm_readers(layer.forward)
+        self.b_reader = comm_readers(layer.backward)
         if base_bytes is None:
             base_bytes = 0.0
             for v in self.b_saved:
@@ -92,94 +103,119 @@ class LaneModel:
              t0: float = 0.0, events: Optional[list] = None) -> Tuple[float, float, float]:
         """Simulate one step; return (duration, peak bytes, bytes at the end).
 
-        The arithmetic here is mirrored exactly by csrc/planner.cpp (Problem::step)."""
-        f_lane, b_lane, f_T, b_T, S = self.f_lane, self.b_lane, self.f_T, self.b_T, self.S
-        na, nb = len(fidx), len(bidx)
-        ia = ib = 0
-        run_a = run_b = False
-        rem_a = rem_b = 0.0
-        ready_a = ready_b = 0.0
-        st_a = st_b = 0.0
+        The arithmetic here is mirrored exactly by csrc/planner.cpp (Problem::simulate)."""
+        lanes = (self.f_lane, self.b_lane)
+        T = (self.f_T, self.b_T)
+        reader = (self.f_reader, self.b_reader)
+        S = self.S
+        qs = [(0, list(fidx)), (1, list(bidx))]
+        qs = [q for q in qs if q[1]]
+
+        def first_comm(q):
+            ln = lanes[q[0]]
+            for i, k in enumerate(q[1]):
+                if ln[k] != 0:
+                    return i
+            return len(q[1])
+        if len(qs) == 2 and first_comm(qs[1]) < first_comm(qs[0]):
+            qs = [qs[1], qs[0]]
+        pos = [0] * len(qs)
+        cur = 0
         t = 0.0
+        lane_free = [0.0, 0.0, 0.0]
+        comms = []          # (strand, k, start, end) in issue order
+        mevs = []           # (time, 0 free / 1 alloc, seq, bytes)
+        span = 0.0
+        while True:
+            if pos[0] >= len(qs[0][1]) and (len(qs) < 2 or pos[1] >= len(qs[1][1])):
+                break
+            if pos[cur] >= len(qs[cur][1]):
+                cur = 1 - cur
+                continue
+            x, lst = qs[cur]
+            k = lst[pos[cur]]
+            pos[cur] += 1
+            ready = t
+            for (cx, ck, cs, ce) in comms:
+                if cx == x and reader[x][ck] == k and ce > ready:
+                    ready = ce
+            if x == 0:
+                alloc, free = self.f_temp[k] + self.f_saved[k], self.f_temp[k]
+            else:
+                alloc, free = self.b_temp[k], self.b_temp[k] + self.b_saved[k]
+            if lanes[x][k] == 0:
+                st = ready
+                w = T[x][k]
+                end = st + w
+                for (cx, ck, cs, ce) in comms:
+                    if cx != x and cs <= st and st < ce:
+                        s = S[k][ck] if x == 0 else S[ck][k]
+                        if s > 1.0:
+                            if st + w * s <= ce:
+                                end = st + w * s
+                            else:
+                                end = ce + (w - (ce - st) / s)
+                        break
+                t = end
+            else:
+                ln = lanes[x][k]
+                st = ready if ready > lane_free[ln] else lane_free[ln]
+                end = st + T[x][k]
+                lane_free[ln] = end
+                comms.append((x, k, st, end))
+                t = ready
+                if len(qs) == 2:
+                    cur = 1 - cur
+            mevs.append((ready, 1, len(mevs), alloc))
+            mevs.append((end, 0, len(mevs), free))
+            if end > span:
+                span = end
+            if events is not None:
+                events.append((ALPHA if x == 0 else BETA,
+                               (self.f_names if x == 0 else self.b_names)[k],
+                               LANES[lanes[x][k]], t0 + st, t0 + end))
+        if t > span:
+            span = t
         mem = mem0
         peak = mem0
-        while True:
-            can_a = (not run_a) and ia < na
-            can_b = (not run_b) and ib < nb
-            if can_a or can_b:
-                b_first = can_a and can_b and ready_b < ready_a
-                for which in ((1, 0) if b_first else (0, 1)):
-                    if which == 0:
-                        if not can_a:
-                            continue
-                        k = fidx[ia]
-                        if run_b and b_lane[bidx[ib]] == f_lane[k]:
-                            continue
-                        run_a = True
-                        rem_a = f_T[k]
-                        st_a = t
-                        mem = mem + self.f_temp[k]
-                        mem = mem + self.f_saved[k]
-                        if mem > peak:
-                            peak = mem
-                    else:
-                        if not can_b:
-                            continue
-                        k = bidx[ib]
-                        if run_a and f_lane[fidx[ia]] == b_lane[k]:
-                            continue
-                        run_b = True
-                        rem_b = b_T[k]
-                        st_b = t
-                        mem = mem + self.b_temp[k]
-                        if mem > peak:
-                            peak = mem
-            if not run_a and not run_b:
-                break
-            if run_a and run_b:
-                s = S[fidx[ia]][bidx[ib]]
-                da = rem_a * s
-                db = rem_b * s
-                if da < db:
-                    dt, fin_a, fin_b = da, True, False
-                elif db < da:
-                    dt, fin_a, fin_b = db, False, True
-                else:
-                    dt, fin_a, fin_b = da, True, True
-            elif run_a:
-                s = 1.0
-                dt, fin_a, fin_b = rem_a, True, False
+        for (tm, kind, seq, nbytes) in sorted(mevs):
+            if kind == 1:
+                mem = mem + nbytes
+                if mem > peak:
+                    peak = mem
             else:
-                s = 1.0
-                dt, fin_a, fin_b = rem_b, False, True
-            t_end = t + dt
-            if run_a:
-                if fin_a:
-                    k = fidx[ia]
-                    if events is not None:
-                        events.append((ALPHA, self.f_names[k], LANES[f_lane[k]],
-                                       t0 + st_a, t0 + t_end))
-                    mem = mem - self.f_temp[k]
-                    ready_a = t_end
-                    ia += 1
-                    run_a = False
-                else:
-                    rem_a = rem_a - dt / s
-            if run_b:
-                if fin_b:
-                    k = bidx[ib]
-                    if events is not None:
-                        events.append((BETA, self.b_names[k], LANES[b_lane[k]],
-                                       t0 + st_b, t0 + t_end))
-                    mem = mem - self.b_temp[k]
-                    mem = mem - self.b_saved[k]
-                    ready_b = t_end
-                    ib += 1
-                    run_b = False
-                else:
-                    rem_b = rem_b - dt / s
-            t = t_end
-        return t, peak, mem
+                mem = mem - nbytes
+        return span, peak, mem
+
+
+def compute_slowdown(f, b, table: CostTable) -> float:
+    """s for a compute op beside a comm op of the other strand (1 for any other pair):
+    with the compute (alone tc) at rate 1/s while the comm (alone tm) runs, the two
+    launched together end after tm + tc - tm/s; equal to the measured P when
+    s = tm / (tc + tm - P). P <= max(tc, tm) means no slow-down (s = 1); P >= tc + tm
+    means the compute made no progress beside the comm (s = inf)."""
+    if not concurrent(f, b) or (f.lane == "compute") == (b.lane == "compute"):
+        return 1.0
+    tf, tb, p = table.alone_f[f.name], table.alone_b[b.name], table.pair[(f.name, b.name)]
+    tc, tm = (tf, tb) if f.lane == "compute" else (tb, tf)
+    if tc <= 0.0 or tm <= 0.0 or p <= (tc if tc > tm else tm):
+        return 1.0
+    rest = tc + tm - p
+    return tm / rest if rest > 0.0 else float("inf")
+
+
+def comm_readers(chain) -> List[int]:
+    """For every op of a chain: the index of the op that reads its result if it is a comm
+    op (-1 if none does or it is a compute op). See the module doc."""
+    out = [-1] * len(chain)
+    for c, o in enumerate(chain):
+        if o.lane == "compute":
+            continue
+        if o.wgrad:
+            out[c] = next((k for k, r in enumerate(chain) if r.after == o.name), -1)
+        else:
+            out[c] = next((k for k in range(c + 1, len(chain)) if not chain[k].wgrad), -1)
+    return out
 
 
 def simulate(layer: LayerOps, plan: Plan, table: Optional[CostTable] = None, *,

@@ -109,6 +109,29 @@ class LayerHarness:
                 ts.append(time.perf_counter() - t)
         return self._max_across_ranks(statistics.median(ts))
 
+    def time_in_step(self, warmup: int, repeats: int):
+        """Median duration of every compute op inside whole layer steps (the trivial plan,
+        α's forward then β's backward, as `time_plans` runs plans): (forward, backward)
+        dicts of seconds, slowest rank. A compute op's time is counted from when the comm
+        results it reads had arrived."""
+        from dhelix.strand.executor import Tracer
+        got: dict = {}
+        for r in range(warmup + repeats):
+            Sb = self.bwd_state(0)
+            Sa = self.fwd_state(0)
+            self._sync()
+            tracer = Tracer()
+            run_layer_step(self._trivial, fwd=(self.program, Sa), bwd=(self.program, Sb),
+                           tracer=tracer)
+            self._sync_device()
+            if r >= warmup:
+                for e in tracer.events:
+                    if e.lane == "compute":
+                        got.setdefault((e.strand, e.op), []).append(e.end - e.start)
+        med = {k: self._max_across_ranks(statistics.median(v)) for k, v in sorted(got.items())}
+        return ({op: v for (s, op), v in med.items() if s == "α"},
+                {op: v for (s, op), v in med.items() if s == "β"})
+
     def time_plans(self, plans: Sequence[Plan], warmup: int, repeats: int,
                    progress=None) -> List[float]:
         """Median layer-step time (α forward ∥ β backward) of each plan; plans are

@@ -17,7 +17,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from dhelix.base.nodes import _env_int, node_ids
+from dhelix.base.nodes import _env_int, local_cpus, node_ids, pin_to_cpus
 
 
 class LaunchError(RuntimeError):
@@ -48,6 +48,7 @@ def init_distributed(timeout_s: float = 120.0) -> DistInfo:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device("cpu")
+    pin_to_cpus()
     if not dist.is_initialized():
         from dhelix.links.paced import install_from_env
         install_from_env()          # --link paced:...: before the first collective
@@ -75,6 +76,9 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS=os.environ.get(
                        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
+        cpus = local_cpus(r, nproc)
+        if cpus and "DHELIX_CPUS" not in os.environ:
+            env["DHELIX_CPUS"] = cpus
         env.update(extra_env or {})
         procs.append(subprocess.Popen(list(prefix or []) + [sys.executable, "-m", "dhelix.cli"]
                                       + argv, env=env,
