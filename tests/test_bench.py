@@ -57,3 +57,4 @@ def test_link_rates_and_table():
            "layer_comm_s": 0.05, "hidden_share": 0.8, "memory_vs_baseline": 1.02}
     md = markdown([row])
     assert "| small | 2gbit | dhelix-plan | 10 | 1.50x |" in md and "80%" in md
+    assert "40 / 50 (1.25)" in md

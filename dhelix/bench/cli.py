@@ -45,6 +45,10 @@ def register(sub):
                    help="micro-batches per step (default: %(default)s)")
     p.add_argument("--train-iters", type=int, default=6,
                    help="steps per run; the first is not timed (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every method this many times, alternating, and take the "
+                        "median step over all rounds (this machine's speed drifts; "
+                        "default: %(default)s)")
     p.add_argument("--planner-source", choices=["table", "analytical"], default="table",
                    help="plan 4 from a pairwise table profiled in the same namespace just "
                         "before (DHelix's way), or from the analytical model of this machine")
@@ -143,6 +147,15 @@ def step_time(r: dict) -> float:
     return statistics.median(ts)
 
 
+def rewrite(json_path: str, out: str) -> None:
+    """Write the .md and .png of a finished bench again from its .json."""
+    with open(json_path) as f:
+        rows = json.load(f)["rows"]
+    with open(out + ".md", "w") as f:
+        f.write(markdown(rows) + "\n")
+    plot(rows, out + ".png")
+
+
 def run(a, argv) -> int:
     from tqdm import tqdm
 
@@ -159,7 +172,7 @@ def run(a, argv) -> int:
     work = tempfile.mkdtemp(prefix="dhelix-bench-")
     log = os.path.join(work, "runs.log")
     rows: List[dict] = []
-    per = len(METHODS) + (a.planner_source == "table")
+    per = len(METHODS) * a.rounds + (a.planner_source == "table")
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
         for lk in links:
@@ -178,20 +191,28 @@ def run(a, argv) -> int:
                     else:
                         cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))
                     res = {}
-                    for method in METHODS:
-                        out = os.path.join(work, f"{cfg}-{link}-{method}.json")
-                        trace = os.path.join(work, f"{cfg}-{link}-trace.json")
-                        bar.set_postfix_str(f"{cfg} {link} {method}")
-                        train_argv = _argv(a, cfg, out, method, cluster, trace)
-                        rc = spawn_local(a.nproc, train_argv, prefix=prefix, extra_env=env,
-                                         timeout_s=1800, log=log)
-                        if rc != 0:
-                            raise RuntimeError(
-                                f"{cfg} {link} {method}: ranks failed (exit {rc}); see {log}; "
-                                f"the run was: dhelix {' '.join(train_argv)} --nproc {a.nproc}")
-                        with open(out) as f:
-                            res[method] = json.load(f)
-                        bar.update(1)
+                    for rnd in range(a.rounds):
+                        for method in METHODS:
+                            out = os.path.join(work, f"{cfg}-{link}-{method}-{rnd}.json")
+                            trace = os.path.join(work, f"{cfg}-{link}-trace.json")
+                            bar.set_postfix_str(f"{cfg} {link} {method} round {rnd + 1}")
+                            train_argv = _argv(a, cfg, out, method, cluster, trace)
+                            rc = spawn_local(a.nproc, train_argv, prefix=prefix,
+                                             extra_env=env, timeout_s=1800, log=log)
+                            if rc != 0:
+                                raise RuntimeError(
+                                    f"{cfg} {link} {method}: ranks failed (exit {rc}); see "
+                                    f"{log}; the run was: dhelix {' '.join(train_argv)} "
+                                    f"--nproc {a.nproc}")
+                            with open(out) as f:
+                                r = json.load(f)
+                            if method in res:     # later rounds: pool the timed steps
+                                r["step_times_s"] = res[method]["step_times_s"] + \
+                                    r["step_times_s"][1:]
+                                r["tokens_per_s"] = (res[method]["tokens_per_s"] * rnd +
+                                                     r["tokens_per_s"]) / (rnd + 1)
+                            res[method] = r
+                            bar.update(1)
                     rows += _rows(cfg, link, res, _trace_totals(trace))
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
@@ -237,13 +258,14 @@ def _rows(cfg, link, res, tr) -> List[dict]:
 
 def markdown(rows) -> str:
     lines = ["| model | link | method | tokens/s | speedup | step ms | lower bound ms | "
-             "compute / comm ms | exposed comm hidden | peak act. vs base |",
+             "compute / comm ms (comm/compute) | exposed comm hidden | peak act. vs base |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        ratio = r["layer_comm_s"] / max(r["layer_compute_s"], 1e-12)
         lines.append(
             f"| {r['config']} | {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | "
             f"{r['speedup']:.2f}x | {r['step_s'] * 1e3:.0f} | {r['lower_bound_s'] * 1e3:.0f} | "
-            f"{r['layer_compute_s'] * 1e3:.0f} / {r['layer_comm_s'] * 1e3:.0f} | "
+            f"{r['layer_compute_s'] * 1e3:.0f} / {r['layer_comm_s'] * 1e3:.0f} ({ratio:.2f}) | "
             f"{r['hidden_share'] * 100:.0f}% | {r['memory_vs_baseline']:.2f}x |")
     return "\n".join(lines)
 

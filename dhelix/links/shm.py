@@ -29,7 +29,8 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-HEADER = 64                       # bytes: int64 posted, int64 done, padding
+HEADER = 64                       # bytes: int64 posted, int64 done, int64 ready, padding
+READY = 0x6468656c6978            # "dhelix": the owner has initialised the counters
 SLOTS = 4
 SLOT_BYTES = int(float(os.environ.get("DHELIX_SHM_SLOT_MB", "4")) * 2**20)
 TIMEOUT_S = float(os.environ.get("DHELIX_SHM_TIMEOUT_S", "300"))
@@ -67,9 +68,10 @@ class _Segment:
                 resource_tracker.unregister(self.shm._name, "shared_memory")
             except Exception:
                 pass
-        self.ctr = np.ndarray((2,), dtype=np.int64, buffer=self.shm.buf[:16])
+        self.ctr = np.ndarray((3,), dtype=np.int64, buffer=self.shm.buf[:24])
         if create:
-            self.ctr[:] = -1
+            self.ctr[:2] = -1
+            self.ctr[2] = READY           # after the counters: a new segment reads 0 here
         self.data = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=HEADER,
                                      count=SLOTS * SLOT_BYTES)
 
@@ -102,10 +104,13 @@ class ShmGroup:
         if j not in self.peers:
             def attached():
                 try:
-                    self.peers[j] = _Segment(self.names[j], create=False)
-                    return True
+                    seg = _Segment(self.names[j], create=False)
                 except FileNotFoundError:
                     return False
+                if int(seg.ctr[2]) != READY:      # created, counters not yet set
+                    return False
+                self.peers[j] = seg
+                return True
             _poll(attached, f"rank {j}'s segment {self.names[j]}")
         return self.peers[j]
 

@@ -1,0 +1,117 @@
+"""What a new user meets: errors before any rank starts, a dead rank, help texts."""
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY = ["--config", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+def dhelix(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dhelix.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--micro-batch-size", "0"], "--micro-batch-size 0: must be a positive integer"),
+    (["--micro-batch-size", "-1"], "--micro-batch-size -1: must be a positive integer"),
+    (["--seq-length", "-5"], "--seq-length -5: must be a positive integer"),
+    (["--train-iters", "0"], "--train-iters 0: must be a positive integer"),
+    (["--data-path", "/nonexistent/corpus"],
+     "--data-path /nonexistent/corpus: /nonexistent/corpus.bin not found"),
+])
+def test_bad_input_is_one_message_before_any_rank_starts(flags, message):
+    t = time.time()
+    r = dhelix("train", "--nproc", "2", *TINY, *flags)
+    assert r.returncode == 2
+    assert r.stderr.count(message) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "rank" not in r.stderr.lower()          # no rank was started
+    assert time.time() - t < 60
+
+
+def test_plan_for_another_shape_names_the_field(tmp_path):
+    """A plan made with `dhelix plan`'s defaults is checked against the run before any rank
+    starts, and the message names the field that differs."""
+    plan = tmp_path / "p.json"
+    r = dhelix("plan", *TINY, "--seq-length", "128", "--cluster", "h100", "--out", str(plan))
+    assert r.returncode == 0, r.stderr
+    r = dhelix("train", "--nproc", "2", *TINY, "--seq-length", "64", "--dhelix",
+               "--dhelix-plan", str(plan))
+    assert r.returncode == 2
+    assert "seq_length: plan 128, this run 64" in r.stderr and r.stderr.count("error") == 1
+    # plan's defaults are train's: a plan made without shape flags fits a default run
+    r = dhelix("plan", *TINY, "--cluster", "h100", "--out", str(plan))
+    assert r.returncode == 0, r.stderr
+    r = dhelix("train", "--nproc", "2", *TINY, "--train-iters", "1", "--dhelix",
+               "--dhelix-plan", str(plan), "--timeout", "200")
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_dhelix_with_one_microbatch_warns_and_default_pairs():
+    r = dhelix("train", "--nproc", "2", *TINY, "--train-iters", "1", "--dhelix",
+               "--global-batch-size", "2", "--timeout", "200")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "pairs nothing" in r.stderr and "--global-batch-size" in r.stderr
+    r = dhelix("train", "--nproc", "2", *TINY, "--train-iters", "1", "--dhelix",
+               "--timeout", "200")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "microbatches=4" in r.stdout and "pairs nothing" not in r.stderr
+
+
+def test_killed_rank_is_reported():
+    """kill -9 of a rank mid-training: the job ends non-zero within 30 s and says which
+    rank died, how, at what iteration, and that the others were stopped."""
+    p = subprocess.Popen([sys.executable, "-m", "dhelix.cli", "train", "--nproc", "2", *TINY,
+                          "--train-iters", "100000", "--log-interval", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stdout:
+            if "iter    3/" in line:
+                break
+        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                              text=True).stdout.split()
+        assert len(kids) == 2, kids
+        # rank 1 is the second child started
+        os.kill(int(sorted(kids, key=int)[1]), signal.SIGKILL)
+        t = time.time()
+        _, err = p.communicate(timeout=30)
+        assert time.time() - t < 30
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    assert "rank 1" in err and "SIGKILL" in err and "iteration" in err, err
+    assert "stopped" in err and "rank 0" in err, err
+
+
+def test_fold_help_and_error():
+    r = dhelix("train", "--help")
+    assert "not available yet" in " ".join(r.stdout.split())
+    r = dhelix("train", "--nproc", "2", *TINY, "--dhelix", "--dhelix-fold")
+    assert r.returncode == 2 and "--dhelix-fold" in r.stderr
+    assert "--pipeline-model-parallel-size" not in r.stderr     # not a flag of dhelix train
+
+
+def _walk(parser):
+    yield parser
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                yield from _walk(sub)
+
+
+def test_every_option_has_help():
+    from dhelix.cli import build_parser
+    missing = []
+    for p in _walk(build_parser()):
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            if not a.help or a.help == argparse.SUPPRESS:
+                missing.append(f"{p.prog} {'/'.join(a.option_strings) or a.dest}")
+    assert not missing, "options without help: " + ", ".join(missing)
