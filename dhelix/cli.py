@@ -48,34 +48,30 @@ def spawn(a, argv) -> int:
     try:
         with launch(parse_link(a.link)) as (prefix, env):
             return spawn_local(a.nproc, _strip_launch(argv), timeout_s=a.timeout,
-                               prefix=prefix, extra_env=env)
+                               prefix=prefix, extra_env=env, name=f"dhelix {argv[0]}")
     except (NetnsError, LinkError) as e:
         print(f"dhelix: error: --link: {e}", file=sys.stderr)
         return 2
 
 
 def cmd_train(a, argv) -> int:
-    from dhelix.models.config import ConfigError, load_model_config
+    from dhelix.megatron.args import check_dhelix_args
     from dhelix.train.args import train_config_from_args
-    from dhelix.train.trainer import check_layout, train
+    from dhelix.train.trainer import preflight, train
 
     cfg = train_config_from_args(a)
     if a.nproc:
-        # Fail fast on bad input before starting any rank.
+        # Everything that can be checked is checked before any rank starts: one message.
         try:
-            check_layout(cfg, load_model_config(cfg.config), a.nproc)
-        except ConfigError as e:
-            print(f"dhelix train: error: {e}", file=sys.stderr)
-            return 2
-        try:
-            from dhelix.megatron.args import check_dhelix_args
             check_dhelix_args(a)
+            for w in preflight(cfg, a.nproc):
+                print(f"dhelix train: warning: {w}", file=sys.stderr)
         except ValueError as e:
             print(f"dhelix train: error: {e}", file=sys.stderr)
             return 2
         return spawn(a, argv)
+
     def body():
-        from dhelix.megatron.args import check_dhelix_args
         check_dhelix_args(a)
         train(cfg)
     return run_here("train", body)
@@ -86,10 +82,13 @@ def run_here(cmd: str, body) -> int:
     DHelixArgError: all ValueErrors) is a one-line error and exit 2; the process group is
     torn down either way."""
     import torch.distributed as dist
+    from dhelix.train.dist import report_error
     try:
         body()
     except ValueError as e:
-        print(f"dhelix {cmd}: error: {e}", file=sys.stderr)
+        msg = f"dhelix {cmd}: error: {e}"
+        if not report_error(msg):     # under --nproc the launcher prints it once
+            print(msg, file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():
@@ -118,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("make-corpus", help="write the generated grammar corpus as a "
                                            "Megatron indexed dataset")
     c.add_argument("--output", required=True, help="path prefix for .bin/.idx")
-    c.add_argument("--num-docs", type=int, default=2000)
-    c.add_argument("--seed", type=int, default=1234)
+    c.add_argument("--num-docs", type=int, default=2000,
+                   help="documents to generate (default: %(default)s)")
+    c.add_argument("--seed", type=int, default=1234, help="random seed (default: %(default)s)")
     c.set_defaults(func=cmd_make_corpus)
 
     for name, register in _extra_commands():

@@ -115,3 +115,16 @@ def test_every_option_has_help():
             if not a.help or a.help == argparse.SUPPRESS:
                 missing.append(f"{p.prog} {'/'.join(a.option_strings) or a.dest}")
     assert not missing, "options without help: " + ", ".join(missing)
+
+
+def test_demo_runs_alternately_and_reports_spread(tmp_path):
+    r = dhelix("demo", "--config", "tiny", "--train-iters", "2", "--repeats", "2",
+               "--num-microbatches", "2", "--micro-batch-size", "2", "--seq-length", "32",
+               "--out", str(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "link: paced:1gbit" in r.stdout
+    assert "tokens/s (median)" in r.stdout and "tokens/s (min-max)" in r.stdout
+    assert "losses match: yes" in r.stdout
+    order = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("=== ")]
+    assert order == ["megatron", "dhelix", "megatron", "dhelix"]
+    assert len(list(tmp_path.glob("*-1.json"))) == 2

@@ -15,13 +15,14 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "table/cluster, else the built-in paired plan")
     g.add_argument("--dhelix-overlap-table", default=None, metavar="PATH",
                    help="pairwise overlap table (`dhelix profile` output) to plan from")
-    g.add_argument("--dhelix-cluster", default=None, metavar="YAML",
+    g.add_argument("--dhelix-cluster", default=None, metavar="NAME_OR_YAML",
                    help="cluster file or name (a40, a800, h100: configs/clusters/) for the "
                         "analytical model")
     g.add_argument("--dhelix-memory-budget", type=float, default=None, metavar="BYTES",
                    help="reject plans whose simulated peak memory exceeds this")
     g.add_argument("--dhelix-fold", action="store_true",
-                   help="U-shaped layer folding for pipeline parallelism")
+                   help="U-shaped layer folding for pipeline parallelism: not available yet "
+                        "(refused)")
     g.add_argument("--dhelix-trace", default=None, metavar="PATH",
                    help="write a Chrome-trace JSON of every op on its lane")
     g.add_argument("--dhelix-peer", choices=["intra-batch"], default=None,
@@ -60,10 +61,9 @@ def check_dhelix_args(args) -> None:
     budget = getattr(args, "dhelix_memory_budget", None)
     if budget is not None and budget <= 0:
         raise DHelixArgError(f"--dhelix-memory-budget {budget}: must be a positive byte count")
-    if getattr(args, "dhelix_fold", False) and \
-            getattr(args, "pipeline_model_parallel_size", 1) in (None, 1):
-        raise DHelixArgError("--dhelix-fold folds layers across pipeline stages: it needs "
-                             "--pipeline-model-parallel-size > 1")
+    if getattr(args, "dhelix_fold", False):
+        raise DHelixArgError("--dhelix-fold: the U-folded pipeline schedule is not available "
+                             "in this version of DHelix; remove --dhelix-fold")
     if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 needs the "
                              "folded pipeline schedule, which this version does not have; "

@@ -119,6 +119,10 @@ def _fail(cmd: str, e: BaseException) -> int:
 
 # ---- shapes ----------------------------------------------------------------------------------
 
+# the defaults of `dhelix train`, so that a plan made without shape flags fits its runs
+DEFAULT_SEQ, DEFAULT_MBS = 64, 2
+
+
 def _add_shape_args(p, required: bool) -> None:
     g = p.add_argument_group("layer shape (Megatron's flag names)")
     g.add_argument("--config", required=required, default=None, metavar="NAME",
@@ -128,8 +132,11 @@ def _add_shape_args(p, required: bool) -> None:
                    help="TP size (default 1)")
     g.add_argument("--sequence-parallel", action="store_true", default=None,
                    help="Megatron sequence parallelism (needs TP > 1)")
-    g.add_argument("--seq-length", type=int, default=None, metavar="S", help="default 4096")
-    g.add_argument("--micro-batch-size", type=int, default=None, metavar="B", help="default 1")
+    g.add_argument("--seq-length", type=int, default=None, metavar="S",
+                   help=f"default {DEFAULT_SEQ}, as `dhelix train` (published shapes: pass "
+                        f"their length, e.g. 4096)")
+    g.add_argument("--micro-batch-size", type=int, default=None, metavar="B",
+                   help=f"default {DEFAULT_MBS}, as `dhelix train`")
     g.add_argument("--bf16", action="store_true", default=None,
                    help="bf16 activations and peak FLOP/s (default fp32)")
     g.add_argument("--lane", choices=("intra", "inter"), default=None,
@@ -147,8 +154,8 @@ def _shape_from_args(a) -> dict:
     if a.config is None:
         raise CliError("--config is required to describe the layer shape")
     tp = 1 if a.tensor_model_parallel_size is None else a.tensor_model_parallel_size
-    seq = 4096 if a.seq_length is None else a.seq_length
-    mbs = 1 if a.micro_batch_size is None else a.micro_batch_size
+    seq = DEFAULT_SEQ if a.seq_length is None else a.seq_length
+    mbs = DEFAULT_MBS if a.micro_batch_size is None else a.micro_batch_size
     for flag, v in (("--tensor-model-parallel-size", tp), ("--seq-length", seq),
                     ("--micro-batch-size", mbs)):
         if v <= 0:

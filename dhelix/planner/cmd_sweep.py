@@ -171,7 +171,9 @@ def add_parser(sub) -> None:
     w.add_argument("--micro-batch-size", type=int, default=1, metavar="B", help="default 1")
     w.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                    help="bf16 (default on; --no-bf16 for fp32)")
-    w.add_argument("--lane", choices=("intra", "inter"), default="intra")
+    w.add_argument("--lane", choices=("intra", "inter"), default="intra",
+                   help="where the TP group lives: inside a node (intra, default) or across "
+                        "nodes (inter)")
     _add_planner_args(w)
     w.add_argument("--json", default="plan-sweep.json", metavar="PATH",
                    help="results JSON (default plan-sweep.json)")

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dhelix.planner.costs import CostTable
 from dhelix.planner.opspec import COMM, LayerOps, OpSpec
-from dhelix.planner.plan import Plan, PlanError, Step, trivial_plan, validate
+from dhelix.planner.plan import Plan, PlanError, Step, new_plan, trivial_plan, validate
 from dhelix.planner.simulate import LaneModel
 
 try:  # the compiled core is optional
@@ -348,7 +348,7 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
         meta["table_provenance"] = dict(table.provenance)
     if memory_budget_bytes is not None:
         meta["memory_budget_bytes"] = float(memory_budget_bytes)
-    p = Plan(layer.signature(), [o.name for o in F], [o.name for o in B], out_steps, meta)
+    p = new_plan(layer, out_steps, meta)
     validate(p, layer)
     return p
 

@@ -6,7 +6,7 @@ import random
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dhelix.planner.opspec import COMM, LayerOps, OpSpec
-from dhelix.planner.plan import Plan, PlanError, Step, validate
+from dhelix.planner.plan import Plan, PlanError, Step, new_plan, validate
 INF = float("inf")
 StepCost = Callable[[List[OpSpec], List[OpSpec]], float]
 StepIdx = Tuple[int, int, int, int]      # (i, i', j, j'): F[i:i'] with B[j:j']
@@ -89,9 +89,8 @@ def brute_force(layer: LayerOps, step_cost: StepCost, deferred_wgrad: bool = Fal
         rec(0, 0, 0.0, [])
     p = None
     if best[1] is not None:
-        p = Plan(layer.signature(), [o.name for o in layer.forward],
-                 [o.name for o in layer.backward], best[1],
-                 {"made_by": "dhelix.planner.enumerate.brute_force", "predicted_s": best[0]})
+        p = new_plan(layer, best[1], {"made_by": "dhelix.planner.enumerate.brute_force",
+                                      "predicted_s": best[0]})
     return BruteResult(best[0], p, count[0])
 
 
@@ -186,7 +185,6 @@ def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
         steps.append(Step([o.name for o in fseg], [o.name for o in bseg]))
         i += len(fseg)
         j += len(bseg)
-    p = Plan(layer.signature(), [o.name for o in layer.forward],
-             [o.name for o in layer.backward], steps, {"made_by": "dhelix.planner.dp.random"})
+    p = new_plan(layer, steps, {"made_by": "dhelix.planner.dp.random"})
     validate(p, layer)
     return p

@@ -100,10 +100,14 @@ class Plan:
 def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
     """Raise PlanError naming the step and the rule broken; return None if legal."""
     if plan.signature != layer.signature():
+        diff = shape_difference(plan.meta.get("shape"), getattr(layer, "shape", None))
+        what = (f"it differs in {diff}" if diff else
+                f"plan signature {plan.signature}, this layer {layer.signature()} (different "
+                f"model shape, parallel sizes or dtype)")
         raise PlanError(
-            f"{source}: rule 'layer-shape': plan was made for layer signature "
-            f"{plan.signature}, this layer is {layer.signature()} (different model shape, "
-            f"parallel sizes or dtype); re-run `dhelix plan` for this model")
+            f"{source}: rule 'layer-shape': the plan was made for another layer: {what}; "
+            f"re-run `dhelix plan` with this run's --config, --tensor-model-parallel-size, "
+            f"--sequence-parallel, --seq-length, --micro-batch-size and --bf16")
     fwd_spec = {o.name: o for o in layer.forward}
     bwd_spec = {o.name: o for o in layer.backward}
     fwd_order = {o.name: i for i, o in enumerate(layer.forward)}
@@ -189,9 +193,31 @@ def _comm_names(ops):
     return {o.name for o in ops if o.kind == COMM}
 
 
-def _plan(layer: LayerOps, steps: List[Step], made_by: str) -> Plan:
+SHAPE_FIELDS = {"hidden": "hidden_size", "ffn": "ffn_hidden_size", "seq": "seq_length",
+                "mbs": "micro_batch_size", "tp": "tensor_model_parallel_size",
+                "sp": "sequence_parallel", "dtype_bytes": "dtype bytes"}
+
+
+def shape_difference(planned, current) -> str:
+    """'seq_length: plan 4096, this run 64; ...' for the shape fields that differ."""
+    if not isinstance(planned, dict) or not isinstance(current, dict):
+        return ""
+    out = [f"{SHAPE_FIELDS.get(k, k)}: plan {planned.get(k)}, this run {current.get(k)}"
+           for k in SHAPE_FIELDS if k in current and planned.get(k) != current.get(k)]
+    return "; ".join(out)
+
+
+def new_plan(layer: LayerOps, steps: List[Step], meta: Dict) -> Plan:
+    """A plan for `layer`, carrying the layer's shape (so a mismatch can name the field)."""
+    meta = dict(meta)
+    if getattr(layer, "shape", None):
+        meta.setdefault("shape", dict(layer.shape))
     return Plan(layer.signature(), [o.name for o in layer.forward],
-                [o.name for o in layer.backward], steps, {"made_by": made_by})
+                [o.name for o in layer.backward], steps, meta)
+
+
+def _plan(layer: LayerOps, steps: List[Step], made_by: str) -> Plan:
+    return new_plan(layer, steps, {"made_by": made_by})
 
 
 def trivial_plan(layer: LayerOps) -> Plan:

@@ -10,8 +10,11 @@ def _add(sub, name, help_, func):
     p = sub.add_parser(name, help=help_)
     add_model_args(p)
     add_launch_args(p)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed runs before each measurement (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed runs per measurement; the median is kept (default: "
+                        "%(default)s; validate-model on a noisy machine: 20)")
     p.set_defaults(func=func)
     return p
 
@@ -28,7 +31,8 @@ def register(sub):
     p.add_argument("--table", default=None, help="pairwise table; default: profile now")
     p.add_argument("--plans", type=int, default=30, help="random legal plans (>= 30)")
     p.add_argument("--out", default="validate-model", help="prefix for .json and .png")
-    p.add_argument("--force", action="store_true")
+    p.add_argument("--force", action="store_true",
+                   help="use a --table made for another layer shape or machine anyway")
 
 
 def _on_ranks(a, argv, body) -> int:

@@ -5,6 +5,9 @@ import argparse
 
 from dhelix.train.trainer import TrainConfig
 
+# without --global-batch-size: enough micro-batches per step for F(k+1) ∥ B(k) to happen
+DEFAULT_MICROBATCHES = 4
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The layer shape and parallel sizes (shared by train, profile, validate-model)."""
@@ -12,12 +15,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default="tiny",
                    help="model config: a name under configs/models (tiny, small, tiny-llama, "
                         "llama-8b, ...) or a YAML path")
-    g.add_argument("--seq-length", type=int, default=64)
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--seq-length", type=int, default=64, metavar="S",
+                   help="tokens per sequence (default: %(default)s)")
+    g.add_argument("--micro-batch-size", type=int, default=2, metavar="B",
+                   help="sequences per micro-batch (default: %(default)s)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
+                   help="TP size (default: %(default)s)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron sequence parallelism (needs TP > 1)")
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and math (default fp32)")
+    g.add_argument("--seed", type=int, default=1234, help="random seed (default: %(default)s)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -26,7 +33,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     add_launch_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default: micro-batch-size × DP (one micro-batch per step)")
+                   help=f"sequences per step over all DP ranks (default: micro-batch-size × "
+                        f"DP × {DEFAULT_MICROBATCHES}, i.e. {DEFAULT_MICROBATCHES} "
+                        f"micro-batches per step)")
     g.add_argument("--data", choices=["synthetic", "corpus", "indexed"], default=None,
                    help="synthetic tokens, the generated grammar corpus (default), or "
                         "Megatron indexed data (implied by --data-path)")
@@ -36,14 +45,21 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="checked against the world size; inferred when omitted")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="megatron DDP: reduce grad buckets during the backward")
     g = p.add_argument_group("training")
-    g.add_argument("--train-iters", type=int, default=20)
-    g.add_argument("--eval-iters", type=int, default=0)
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--clip-grad", type=float, default=0.0)
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--train-iters", type=int, default=20,
+                   help="training steps (default: %(default)s)")
+    g.add_argument("--eval-iters", type=int, default=0,
+                   help="evaluation steps after training (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate "
+                                                         "(default: %(default)s)")
+    g.add_argument("--weight-decay", type=float, default=0.0,
+                   help="AdamW weight decay (default: %(default)s)")
+    g.add_argument("--clip-grad", type=float, default=0.0,
+                   help="clip the gradient norm to this; 0 = off (default: %(default)s)")
+    g.add_argument("--log-interval", type=int, default=1,
+                   help="print every N steps (default: %(default)s)")
     g.add_argument("--json", default=None, help="write config, losses, tokens/s, peak memory")
     g.add_argument("--checksums", action="store_true",
                    help="with --json: also per-parameter sums of every step's gradient and "
@@ -62,4 +78,4 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, data=data,
         data_path=a.data_path, overlap_grad_reduce=a.overlap_grad_reduce,
         eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json,
-        checksums=a.checksums, dhelix=dh)
+        checksums=a.checksums, dhelix=dh, default_microbatches=DEFAULT_MICROBATCHES)

@@ -65,16 +65,21 @@ def free_port() -> int:
 
 def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                 extra_env: Optional[dict] = None, prefix: Optional[List[str]] = None,
-                log: Optional[str] = None) -> int:
-    """Run `python -m dhelix.cli argv` as `nproc` local ranks; if one rank fails, stop the
-    others and return its exit code (no rank is left hanging)."""
+                log: Optional[str] = None, name: str = "dhelix") -> int:
+    """Run `python -m dhelix.cli argv` as `nproc` local ranks. If one rank fails, the
+    others are stopped and a summary says which rank failed, how (exit code or signal),
+    at what iteration, and that the others were stopped; an error message the ranks
+    report (bad input) is printed once, not once per rank. Returns the exit code."""
+    import tempfile
     port = free_port()
     procs = []
     sink = open(log, "a") if log else None     # ranks' output goes to a log file
+    status = tempfile.mkdtemp(prefix="dhelix-ranks-")   # errors and progress, per rank
     for r in range(nproc):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS=os.environ.get(
+                   MASTER_PORT=str(port), DHELIX_RANK_STATUS=status,
+                   OMP_NUM_THREADS=os.environ.get(
                        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
         cpus = local_cpus(r, nproc)
         if cpus and "DHELIX_CPUS" not in os.environ:
@@ -85,17 +90,19 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                                       stdout=sink, stderr=sink))
     start = time.time()
     rc = 0
+    first = None
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rc = failed[0]
+                first = failed[0]
+                rc = first[1]
                 break
             if all(c == 0 for c in codes):
                 break
             if timeout_s and time.time() - start > timeout_s:
-                print(f"dhelix: ranks did not finish within {timeout_s:.0f}s; stopping them",
+                print(f"{name}: ranks did not finish within {timeout_s:.0f}s; stopping them",
                       file=sys.stderr)
                 rc = 124
                 break
@@ -113,4 +120,72 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
             sink.close()
         from dhelix.links.shm import remove_segments
         remove_segments(port)
-    return rc
+        if first is not None:
+            _report_failure(name, first[0], first[1], nproc, status)
+        import shutil
+        shutil.rmtree(status, ignore_errors=True)
+    # a rank killed by a signal: the shell convention, 128 + signal
+    return 128 - rc if rc < 0 else rc
+
+
+def _report_failure(name: str, rank: int, code: int, nproc: int, status: str) -> None:
+    """torchrun-style summary of a failed job, on the launcher's stderr."""
+    import glob
+    import signal as _signal
+    errors = {}
+    for path in sorted(glob.glob(os.path.join(status, "error.rank*"))):
+        r = int(path.rsplit("rank", 1)[1])
+        with open(path) as f:
+            errors.setdefault(f.read().strip(), []).append(r)
+    if errors:          # bad input the ranks reported: each message once
+        for msg, ranks in errors.items():
+            print(msg, file=sys.stderr)
+        return
+    if code < 0:
+        try:
+            how = f"was killed by signal {-code} ({_signal.Signals(-code).name})"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    it = rank_progress(status, rank)
+    at = f" at iteration {it}" if it is not None else " before its first iteration"
+    others = [r for r in range(nproc) if r != rank]
+    stopped = f"; stopped the other rank{'s' if len(others) > 1 else ''} " \
+              f"({', '.join(f'rank {r}' for r in others)})" if others else ""
+    print(f"{name}: rank {rank} {how}{at}{stopped}", file=sys.stderr)
+
+
+def rank_progress(status: str, rank: int) -> Optional[int]:
+    try:
+        with open(os.path.join(status, f"progress.rank{rank}")) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return None
+
+
+def report_progress(iteration: int) -> None:
+    """A rank records the iteration it is in (for the launcher's failure summary)."""
+    status = os.environ.get("DHELIX_RANK_STATUS")
+    if status:
+        rank = os.environ.get("RANK", "0")
+        try:
+            with open(os.path.join(status, f"progress.rank{rank}"), "w") as f:
+                f.write(str(iteration))
+        except OSError:
+            pass
+
+
+def report_error(message: str) -> bool:
+    """A rank hands its error message to the launcher, which prints it once; False when
+    not launched by `spawn_local` (print it yourself)."""
+    status = os.environ.get("DHELIX_RANK_STATUS")
+    if not status:
+        return False
+    rank = os.environ.get("RANK", "0")
+    try:
+        with open(os.path.join(status, f"error.rank{rank}"), "w") as f:
+            f.write(message)
+        return True
+    except OSError:
+        return False

@@ -28,7 +28,8 @@ class TrainConfig:
     data_parallel_size: Optional[int] = None     # inferred from the world size if None
     sequence_parallel: bool = False
     micro_batch_size: int = 2
-    global_batch_size: Optional[int] = None      # default: micro_batch_size * DP
+    global_batch_size: Optional[int] = None      # default: micro_batch_size * DP * below
+    default_microbatches: int = 1                # micro-batches per step without a gbs
     seq_length: int = 64
     train_iters: int = 20
     seed: int = 1234
@@ -57,9 +58,8 @@ class Layout:
 
 def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     """Validate parallel sizes against the world and the model; errors name the flag."""
+    check_positive(cfg)
     tp = cfg.tensor_model_parallel_size
-    if tp < 1:
-        raise ConfigError("--tensor-model-parallel-size must be >= 1")
     if cfg.data_parallel_size is not None:
         if tp * cfg.data_parallel_size != world:
             raise ConfigError(
@@ -86,11 +86,55 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
         raise ConfigError(f"{m.name}: this config holds a published shape for planning and "
                           f"simulation only (shapes_only: true); train a small config such "
                           f"as 'tiny'")
-    gbs = cfg.global_batch_size or cfg.micro_batch_size * dp
+    gbs = cfg.global_batch_size or cfg.micro_batch_size * dp * cfg.default_microbatches
     if gbs % (cfg.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {gbs} is not divisible by "
                           f"--micro-batch-size × DP = {cfg.micro_batch_size}×{dp}")
     return Layout(world, tp, dp, gbs // (cfg.micro_batch_size * dp))
+
+
+def check_positive(cfg: TrainConfig) -> None:
+    for flag, v in (("--tensor-model-parallel-size", cfg.tensor_model_parallel_size),
+                    ("--micro-batch-size", cfg.micro_batch_size),
+                    ("--seq-length", cfg.seq_length), ("--train-iters", cfg.train_iters),
+                    ("--log-interval", cfg.log_interval),
+                    ("--global-batch-size", cfg.global_batch_size),
+                    ("--data-parallel-size", cfg.data_parallel_size)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} {v}: must be a positive integer")
+    if cfg.eval_iters < 0:
+        raise ConfigError(f"--eval-iters {cfg.eval_iters}: must be >= 0")
+
+
+def preflight(cfg: TrainConfig, world: int) -> List[str]:
+    """Everything about a run that can be checked before any rank starts: flags, the
+    model config, the parallel layout, the data files, a plan file against the layer it
+    will meet. Raises ValueError (ConfigError, PlanError) naming the flag or field and the
+    fix; returns warnings."""
+    m = load_model_config(cfg.config)
+    layout = check_layout(cfg, m, world)
+    if cfg.data_path:
+        for ext in (".bin", ".idx"):
+            if not os.path.exists(cfg.data_path + ext):
+                raise ConfigError(f"--data-path {cfg.data_path}: {cfg.data_path}{ext} not "
+                                  f"found (write one with `dhelix make-corpus --output "
+                                  f"{cfg.data_path}` or Megatron's tools/preprocess_data.py)")
+    warnings = []
+    dh = cfg.dhelix
+    if dh.get("enabled") and layout.num_microbatches == 1:
+        warnings.append(
+            f"--dhelix pairs nothing with one micro-batch per step: F(k+1) ∥ B(k) needs two "
+            f"micro-batches; raise --global-batch-size (now {cfg.micro_batch_size * layout.dp}"
+            f" = --micro-batch-size × DP) to a multiple, e.g. "
+            f"{cfg.micro_batch_size * layout.dp * 4}")
+    plan = dh.get("plan")
+    if dh.get("enabled") and plan and plan not in ("trivial", "paired"):
+        from dhelix.planner.plan import Plan, validate
+        from dhelix.planner.shapes import layer_ops_for_shape
+        ops = layer_ops_for_shape(m, layout.tp, cfg.sequence_parallel, cfg.seq_length,
+                                  cfg.micro_batch_size, bf16=cfg.bf16)
+        validate(Plan.load(plan), ops, plan)
+    return warnings
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -227,7 +271,9 @@ def train(cfg: TrainConfig) -> dict:
               f"backend={info.backend}", flush=True)
     losses, times, grad_sums = [], [], []
     METER.reset_peak()
+    from dhelix.train.dist import report_progress
     for it in range(cfg.train_iters):
+        report_progress(it + 1)
         t0 = time.perf_counter()
         model.zero_grad_buffer()
         with METER.autograd():
