@@ -23,7 +23,7 @@ def register(sub):
     p.add_argument("--nproc", type=int, default=2, help="local ranks (default: %(default)s)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=2,
                    help="TP, with sequence parallel (default: %(default)s)")
-    p.add_argument("--train-iters", type=int, default=8,
+    p.add_argument("--train-iters", type=int, default=10,
                    help="steps per run; the first is not timed (default: %(default)s)")
     p.add_argument("--seq-length", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="(default: %(default)s)")

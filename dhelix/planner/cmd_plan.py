@@ -61,8 +61,11 @@ def cmd_plan(a, argv) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="plan one layer shape (DP planner) and write the plan JSON",
-                       description="Find the fastest legal plan (DESIGN §1.3) for one layer "
-                                   "shape; costs from a measured table or a cluster file.")
+                       description="Find the fastest legal plan for one layer shape: a "
+                                   "dynamic program over where each strand's segments end "
+                                   "and which run together (README: Planner and "
+                                   "simulator); costs from a measured table or a cluster "
+                                   "file.")
     _add_shape_args(p, required=True)
     _add_cost_args(p, required=True)
     _add_planner_args(p)

@@ -101,7 +101,8 @@ def cmd_simulate(a, argv) -> int:
 def add_parser(sub) -> None:
     s = sub.add_parser("simulate", help="play a plan on the event simulator: makespan, peak "
                                         "memory, timeline PNG, Chrome trace",
-                       description="Simulate a plan file (DESIGN §1.5). The layer and cost "
+                       description="Simulate a plan file on the three-lane executor replay "
+                                   "(README: Planner and simulator). The layer and cost "
                                    "source come from the plan's meta (written by `dhelix "
                                    "plan`) unless given here.")
     s.add_argument("plan", metavar="PLAN", help="plan JSON file")
