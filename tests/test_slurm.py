@@ -1,0 +1,89 @@
+"""The Slurm batch file on a real one-node Slurm cluster (scripts/slurm/local_cluster.sh)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from dhelix.train.dist import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "slurm", "local_cluster.sh")
+TRAIN = ["train", "--config", "tiny", "--tensor-model-parallel-size", "2",
+         "--sequence-parallel", "--train-iters", "5", "--dhelix"]
+
+
+def _missing():
+    if os.geteuid() != 0:
+        return "needs root to start munge, slurmctld and slurmd"
+    missing = [b for b in ("sbatch", "slurmctld", "slurmd", "munged") if not shutil.which(b)]
+    if missing:
+        return (f"Slurm is not installed ({', '.join(missing)} missing): on Debian, "
+                f"apt-get install slurm-wlm munge (.ci/run does)")
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    d = str(tmp_path_factory.mktemp("slurm") / "cluster")
+    env = dict(os.environ, DHELIX_SLURM_DIR=d, DHELIX_SLURMCTLD_PORT=str(free_port()),
+               DHELIX_SLURMD_PORT=str(free_port()))
+    env["SLURM_CONF"] = os.path.join(d, "slurm.conf")
+    try:
+        r = subprocess.run([SCRIPT, "up"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        yield env
+    finally:
+        r = subprocess.run([SCRIPT, "down"], env=env, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert not os.path.exists(d)
+        left = subprocess.run(["pgrep", "-f", d], capture_output=True, text=True).stdout
+        assert not left.strip(), f"left running: {left}"
+
+
+def _sbatch(cluster, out, *args):
+    env = dict(cluster, MASTER_PORT=str(free_port()))
+    r = subprocess.run(["sbatch", "--wait", "--parsable", "--nodes=1", "--ntasks-per-node=2",
+                        f"--output={out}", "scripts/slurm/dhelix.sbatch",
+                        "configs/slurm/local.env", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    job = r.stdout.strip().split(";")[0]
+    return r, job, open(out).read() if os.path.exists(out) else ""
+
+
+def _state(cluster, job):
+    return subprocess.run(["squeue", "-t", "all", "-h", "-j", job, "-o", "%T"], env=cluster,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_sbatch_trains_like_nproc(cluster, tmp_path):
+    """5 steps of TP=2+SP with --dhelix on 2 srun tasks: the losses of the same run
+    started with `dhelix train --nproc 2`; the output file holds log and result."""
+    out_json = str(tmp_path / "slurm.json")
+    r, job, log = _sbatch(cluster, str(tmp_path / "job.out"), *TRAIN, "--json", out_json)
+    assert r.returncode == 0, r.stderr + log
+    assert _state(cluster, job) == "COMPLETED"
+    assert "iter    5/5" in log and "== result" in log and '"losses"' in log
+    ref_json = str(tmp_path / "nproc.json")
+    r = subprocess.run([sys.executable, "-m", "dhelix.cli", *TRAIN, "--nproc", "2",
+                        "--json", ref_json, "--timeout", "300"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=400)
+    assert r.returncode == 0, r.stderr
+    a, b = json.load(open(out_json)), json.load(open(ref_json))
+    assert a["config"]["world_size"] == 2 and a["config"]["schedule"] == "dhelix"
+    assert a["losses"] == b["losses"]
+
+
+def test_failing_rank_fails_the_job(cluster, tmp_path):
+    r, job, log = _sbatch(cluster, str(tmp_path / "bad.out"), "train", "--config", "tiny",
+                          "--tensor-model-parallel-size", "3", "--train-iters", "5")
+    assert r.returncode != 0
+    assert _state(cluster, job) == "FAILED"
+    assert "world size 2 is not divisible by --tensor-model-parallel-size 3" in log
