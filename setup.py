@@ -29,7 +29,11 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout", "hypothesis"],
+        # the test suite also imports Megatron-LM's training code (megatron.training needs
+        # these beside megatron-core)
+        "test": ["pytest>=7", "pytest-timeout", "hypothesis", "six", "regex", "triton",
+                 "pydantic"],
+        "megatron-lm": ["six", "regex", "triton", "pydantic"],
         "gpu": ["transformer-engine", "apex"],
     },
     ext_modules=ext_modules,

@@ -10,7 +10,8 @@
 #   3. with ≥2 GPUs: TP=2 + SP over NCCL (CudaLanes' comm streams), DHelix ≡ megatron;
 #   4. the timing row: an 8-layer Llama-3-8B-shaped GPT, bf16, seq 4096, micro-batch 1,
 #      8 micro-batches; DHelix's tokens/s and peak memory beside megatron's (goal with
-#      TP=1, where there is no comm to hide: ≥ 0.97x the speed, ≤ 1.05x the memory).
+#      TP=1, where there is no comm to hide: ≥ 0.97x the speed, ≤ 1.05x the memory);
+#   5. Megatron-LM's own pretrain_gpt.py with and without --dhelix (scripts/gpu_megatron_lm.sh).
 set -uo pipefail
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
 out="${OUT:-gpu-check}"; mkdir -p "$out"
@@ -70,5 +71,11 @@ big=(--config llama3-8b-8l --train-iters 12 --micro-batch-size 1 --global-batch-
 run 300 "${big[@]}" --json "$out/big-base.json"
 run 300 "${big[@]}" --dhelix --json "$out/big-dhelix.json" \
   && compare "$out/big-base.json" "$out/big-dhelix.json" 1 timing
+echo "== 5. Megatron-LM's pretrain_gpt.py, with and without --dhelix (20 iterations, TP=1)"
+if [ -f "${MEGATRON_LM:-../shared/megatron-lm}/pretrain_gpt.py" ]; then
+  OUT="$out" bash scripts/gpu_megatron_lm.sh || fails=$((fails + 1))
+else
+  echo "  skipped: no Megatron-LM checkout (set MEGATRON_LM)"
+fi
 echo "gpu check: $fails failure(s); files in $out/"
 exit $((fails > 0))

@@ -28,7 +28,9 @@ def main():
     if ours.dhelix and "--transformer-impl" not in rest:
         rest += ["--transformer-impl", "local"]
     sys.path.insert(0, ours.megatron_lm)
-    import megatron.training.training  # noqa: F401  (so the hook patches its import too)
+    # imported first, so that the hook also patches the names they imported
+    import megatron.training.training  # noqa: F401
+    import gpt_builders  # noqa: F401
     from dhelix.megatron.install import install
     install(ours)
     sys.argv = [os.path.join(ours.megatron_lm, "pretrain_gpt.py")] + rest

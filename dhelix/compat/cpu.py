@@ -25,6 +25,7 @@ _BUFFER_MODULES = (
     "megatron.core.utils",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.transformer.utils",          # the local attention's causal mask
 )
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")

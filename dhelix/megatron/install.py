@@ -49,6 +49,12 @@ def install(args) -> bool:
     def local_spec(*a, **k):
         return with_dhelix_layer(orig_local(*a, **k))
     gpt_layer_specs.get_gpt_layer_local_spec = local_spec
+    # Megatron-LM's gpt_builders imports the spec function by name: patch its copy too
+    builders = sys.modules.get("gpt_builders")
+    if builders is not None and hasattr(builders, "get_gpt_layer_local_spec"):
+        _ORIGINAL.setdefault(("gpt_builders", "get_gpt_layer_local_spec"),
+                             builders.get_gpt_layer_local_spec)
+        builders.get_gpt_layer_local_spec = local_spec
     return True
 
 

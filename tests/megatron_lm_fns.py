@@ -1,0 +1,133 @@
+"""Per-rank bodies of the tests against Megatron-LM's real training code."""
+import os
+import sys
+
+import torch
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+         "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "511",
+         "--distributed-backend", "gloo", "--transformer-impl", "local",
+         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+         "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+         "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "1234",
+         "--rerun-mode", "disabled"]   # its validation mode saves CUDA RNG states
+
+
+def megatron_lm_path():
+    return os.environ.get("MEGATRON_LM") or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        "shared", "megatron-lm")
+
+
+def init_megatron(argv):
+    """Megatron-LM's own argument parsing, validation and globals (with DHelix's
+    extra_args_provider); then what `_initialize_distributed` does only when CUDA devices
+    exist: the model-parallel groups and seeds, on the process group the test started."""
+    sys.path.insert(0, megatron_lm_path())
+    from dhelix.compat import cpu
+    cpu.apply()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.training import get_args
+    from megatron.training.global_vars import destroy_global_vars
+    from megatron.training.initialize import initialize_megatron
+    from dhelix.megatron.args import add_dhelix_args
+    destroy_global_vars()
+    # validate_args asks the GPU's architecture when TP > 1 (a CUDA call standing in the
+    # way on CPU): answer as a Hopper GPU would
+    import megatron.training.arguments as margs
+    margs.get_device_arch_version = lambda: 9
+    sys.argv = ["pretrain_gpt.py"] + list(argv)
+    initialize_megatron(extra_args_provider=add_dhelix_args, allow_no_cuda=True,
+                        skip_mpu_initialization=True)
+    args = get_args()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size)
+    model_parallel_cuda_manual_seed(args.seed)
+    return args
+
+
+def parsed(argv):
+    args = init_megatron(argv)
+    return {k: getattr(args, k) for k in ("dhelix", "dhelix_plan", "dhelix_trace",
+                                          "transformer_impl", "tensor_model_parallel_size",
+                                          "micro_batch_size", "global_batch_size")}
+
+
+def train_real(argv, dhelix, steps=3):
+    """Build the model with Megatron-LM's model_provider and gpt_builder (after the
+    install hook when `dhelix`), wrap it in megatron DDP, and run `steps` iterations of
+    the forward-backward function Megatron-LM's train_step would get from
+    megatron.training.training.get_forward_backward_func, with pretrain_gpt's loss."""
+    from functools import partial
+
+    args = init_megatron(argv + (["--dhelix"] if dhelix else []))
+    import gpt_builders
+    import megatron.training.training as training
+    import model_provider as mp
+    import pretrain_gpt
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
+    from dhelix.megatron.install import install, uninstall
+    from dhelix.strand.layer import DHelixLayer
+    uninstall()
+    installed = install(args)
+    try:
+        torch.manual_seed(args.seed)
+        model = mp.model_provider(gpt_builders.gpt_builder, pre_process=True,
+                                  post_process=True)
+        layers = [type(m).__name__ for m in model.modules()
+                  if type(m).__name__.endswith("TransformerLayer") or isinstance(m, DHelixLayer)]
+        config = model.config
+        model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True), module=model)
+        config.no_sync_func = model.no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        fb = training.get_forward_backward_func()
+        schedule = getattr(getattr(fb, "func", fb), "__name__", str(fb))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)    # grads only; see below
+
+        g = torch.Generator().manual_seed(7)
+        nmb = args.global_batch_size // args.micro_batch_size
+        losses = []
+        for it in range(steps):
+            batches = []
+            for _ in range(nmb):
+                t = torch.randint(0, args.vocab_size, (args.micro_batch_size,
+                                                       args.seq_length + 1), generator=g)
+                batches.append({"tokens": t[:, :-1], "labels": t[:, 1:],
+                                "loss_mask": torch.ones(args.micro_batch_size,
+                                                        args.seq_length),
+                                "position_ids": torch.arange(args.seq_length).repeat(
+                                    args.micro_batch_size, 1)})
+            it_data = RerunDataIterator(iter(batches))   # as build_train_valid_test_data_iterators
+
+            def forward_step(data_iterator, model):
+                b = next(data_iterator)
+                out = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
+                            loss_mask=b["loss_mask"])
+                return out, partial(pretrain_gpt.loss_func, b["loss_mask"], model=model)
+
+            # as Megatron-LM's train_step calls it: inside the rerun state machine's loop
+            rerun = get_rerun_state_machine()
+            while rerun.should_run_forward_backward(it_data):
+                model.zero_grad_buffer()
+                out = fb(forward_step_func=forward_step, data_iterator=it_data,
+                         model=[model], num_microbatches=nmb, seq_length=args.seq_length,
+                         micro_batch_size=args.micro_batch_size, forward_only=False)
+            losses.append([float(o["lm loss"][0] / o["lm loss"][1]) if o["lm loss"].numel() == 2
+                           else float(o["lm loss"]) for o in out])
+            # a fixed SGD step on megatron's main grads, so later steps see new weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.main_grad, alpha=-1e-2)
+        grad_sum = float(sum(p.main_grad.double().abs().sum() for p in model.parameters()))
+    finally:
+        uninstall()
+    del opt
+    return {"installed": installed, "layers": layers, "schedule": schedule,
+            "losses": losses, "grad_abs_sum": grad_sum}
