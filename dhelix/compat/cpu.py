@@ -24,6 +24,7 @@ _BUFFER_MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.utils",
     "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.transformer.utils",          # the local attention's causal mask
 )

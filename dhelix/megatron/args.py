@@ -21,8 +21,10 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dhelix-memory-budget", type=float, default=None, metavar="BYTES",
                    help="reject plans whose simulated peak memory exceeds this")
     g.add_argument("--dhelix-fold", action="store_true",
-                   help="U-shaped layer folding for pipeline parallelism: not available yet "
-                        "(refused)")
+                   help="the U-folded pipeline with --pipeline-model-parallel-size G > 1: "
+                        "stage g holds the g-th layer chunk from the front and from the "
+                        "back; forward and backward of different micro-batches co-execute "
+                        "on every stage, every parameter stored once")
     g.add_argument("--dhelix-trace", default=None, metavar="PATH",
                    help="write a Chrome-trace JSON of every op on its lane")
     g.add_argument("--dhelix-peer", choices=["intra-batch"], default=None,
@@ -61,13 +63,14 @@ def check_dhelix_args(args) -> None:
     budget = getattr(args, "dhelix_memory_budget", None)
     if budget is not None and budget <= 0:
         raise DHelixArgError(f"--dhelix-memory-budget {budget}: must be a positive byte count")
-    if getattr(args, "dhelix_fold", False):
-        raise DHelixArgError("--dhelix-fold: the U-folded pipeline schedule is not available "
-                             "in this version of DHelix; remove --dhelix-fold")
-    if getattr(args, "pipeline_model_parallel_size", 1) not in (None, 1):
-        raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 needs the "
-                             "folded pipeline schedule, which this version does not have; "
-                             "use --pipeline-model-parallel-size 1")
+    fold = getattr(args, "dhelix_fold", False)
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    if fold and pp == 1:
+        raise DHelixArgError("--dhelix-fold folds the layers over pipeline stages: give "
+                             "--pipeline-model-parallel-size 2 or more")
+    if pp > 1 and not fold:
+        raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
+                             "U-folded pipeline: add --dhelix-fold")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         raise DHelixArgError("--dhelix runs megatron-core's local layer modules: add "
                              "--transformer-impl local")

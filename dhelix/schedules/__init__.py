@@ -6,6 +6,7 @@
     dhelix.py       DHelix: F(1); [F(k+1) ∥ B(k)]; B(N), layers paired by the plan
     intra_batch.py  the intra-batch peer: each layer node's two batch halves round-robin
     plans.py        which plan each layer runs (from the --dhelix* options)
+The folded pipeline schedule (PP > 1) lives with the fold, in `dhelix.folding`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ def make_schedule(options: dict):
     if options.get("peer") == "intra-batch":
         from dhelix.schedules.intra_batch import IntraBatchSchedule
         return IntraBatchSchedule(options)
+    if options.get("enabled") and options.get("fold"):
+        from dhelix.folding.schedule import FoldedSchedule
+        return FoldedSchedule(options)
     if options.get("enabled"):
         from dhelix.schedules.dhelix import DHelixSchedule
         return DHelixSchedule(options)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
-from dhelix.schedules.microbatch import Microbatch, MicrobatchSteps, unwrap_and_evaluate
+from dhelix.schedules.microbatch import (BackwardWalk, Microbatch, MicrobatchSteps,
+                                         unwrap_and_evaluate)
 from dhelix.schedules.plans import PlanBook
 from dhelix.strand.executor import Tracer, run_layer_step
 from dhelix.strand.lanes import Lanes, make_lanes
@@ -32,14 +33,18 @@ class DHelixSchedule:
         self.lanes: Optional[Lanes] = None
         self.tracer: Optional[Tracer] = Tracer() if options.get("trace") else None
 
-    def prepare(self, model, tconfig):
-        self.lanes = make_lanes(next(model.parameters()).device)
+    def prepare(self, chunks, tconfig):
+        """`chunks`: the model, or the list of this rank's model chunks."""
+        chunks = chunks if isinstance(chunks, list) else [chunks]
+        self.lanes = make_lanes(next(chunks[0].parameters()).device)
 
-    def check(self, model, seq_length, micro_batch_size):
+    def check(self, chunks, seq_length, micro_batch_size):
         """Validate the plan against every DHelix layer now, before the first step."""
+        chunks = chunks if isinstance(chunks, list) else [chunks]
         book = self.plan_book(seq_length, micro_batch_size)
-        for layer in [m for m in model.modules() if isinstance(m, DHelixLayer)]:
-            book.for_layer(layer)
+        for c in chunks:
+            for layer in [m for m in c.modules() if isinstance(m, DHelixLayer)]:
+                book.for_layer(layer)
         return book
 
     def plan_book(self, seq_length, micro_batch_size) -> PlanBook:
@@ -60,13 +65,12 @@ class DHelixSchedule:
             return write_trace(self.tracer.events, path, rank)
 
 
-def co_step(steps: MicrobatchSteps, plans: PlanBook, tracer: Optional[Tracer],
-            alpha: Optional[int], beta: Optional[Microbatch]) -> Optional[Microbatch]:
-    """One co-executed step: the forward of micro-batch `alpha` beside the backward of
-    `beta` (either may be None). Returns α's recorded micro-batch."""
-    walk = steps.backward(beta) if beta is not None else None
-
-    # 1. β's post-process node: its loss → the gradient of its last layer's output.
+def co_step(plans: PlanBook, tracer: Optional[Tracer], forward=None,
+            walk: Optional[BackwardWalk] = None) -> Optional[Microbatch]:
+    """One co-executed step: a forward (`forward(execute)` runs α's micro-batch with the
+    given layer executor and returns its record) beside a backward walk (β). Either may
+    be None. Returns α's recorded micro-batch."""
+    # 1. β's post-process node: its loss (or received grad) → its last layer's output grad.
     if walk is not None:
         walk.post()
 
@@ -78,7 +82,7 @@ def co_step(steps: MicrobatchSteps, plans: PlanBook, tracer: Optional[Tracer],
                        bwd=(b.program, b.states[0]) if b is not None else None, tracer=tracer)
         if b is not None:
             walk.done(b)
-    out = steps.forward(alpha, execute) if alpha is not None else None
+    out = forward(execute) if forward is not None else None
 
     # 3. β's layers that found no α partner (the last step, B(N), runs alone).
     while walk is not None and walk.remaining():
@@ -86,7 +90,7 @@ def co_step(steps: MicrobatchSteps, plans: PlanBook, tracer: Optional[Tracer],
         run_layer_step(plans.for_layer(b.layer), bwd=(b.program, b.states[0]), tracer=tracer)
         walk.done(b)
 
-    # 4. β's pre-process node: the embedding's gradients.
+    # 4. β's pre-process node: the embedding's gradients (or the input's, to send back).
     if walk is not None:
         walk.pre()
     return out
@@ -117,10 +121,12 @@ def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_micr
                             schedule.lanes, tracer, collect_non_loss_data, first_val_step)
     no_sync = get_model_config(model).no_sync_func or contextlib.nullcontext
     N = num_microbatches
+    def fwd(k):
+        return lambda execute: steps.forward(k, execute)
     with no_sync():
-        prev = co_step(steps, plans, tracer, alpha=0, beta=None)            # F(1)
+        prev = co_step(plans, tracer, fwd(0))                               # F(1)
         for k in range(1, N):
-            prev = co_step(steps, plans, tracer, alpha=k, beta=prev)        # F(k+1) ∥ B(k)
-    co_step(steps, plans, tracer, alpha=None, beta=prev)    # B(N), outside no_sync: grads
-    steps.finalize()                                        # are reduced here, as megatron
+            prev = co_step(plans, tracer, fwd(k), steps.backward(prev))     # F(k+1) ∥ B(k)
+    co_step(plans, tracer, None, steps.backward(prev))     # B(N), outside no_sync: grads
+    steps.finalize()                                       # are reduced here, as megatron
     return steps.store

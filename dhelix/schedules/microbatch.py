@@ -67,11 +67,14 @@ class BackwardWalk:
     until the pre-process node adds its own. Every other parameter's gradient goes to its
     AccumulateGrad as soon as its node is done."""
 
-    def __init__(self, mb: Microbatch, steps: "MicrobatchSteps", label: str):
+    def __init__(self, mb: Microbatch, steps: "MicrobatchSteps", label: str,
+                 grad_output: Optional[torch.Tensor] = None):
         self.mb, self.steps, self.label = mb, steps, label
+        self.grad_output = grad_output      # None: the output is the loss
         self.pending = list(mb.nodes)
         self.first_input = mb.nodes[0].x_in if mb.nodes else None
         self.g: Optional[torch.Tensor] = None
+        self.input_grad: Optional[torch.Tensor] = None   # for the stage before (pipeline)
         self.held: Dict[int, torch.Tensor] = {}
         self.below: List[torch.Tensor] = []
 
@@ -81,13 +84,15 @@ class BackwardWalk:
         from megatron.core.pipeline_parallel import schedules as ms
         out, self.mb.output = self.mb.output, None
         if not self.pending:        # no DHelix layer: megatron's own backward step
-            ms.backward_step(None, out, None, self.steps.model_type, self.steps.config)
+            ms.backward_step(None, out, self.grad_output, self.steps.model_type,
+                             self.steps.config)
             return
-        if self.steps.config.grad_scale_func is not None:
+        if self.grad_output is None and self.steps.config.grad_scale_func is not None:
             out = self.steps.config.grad_scale_func(out)
         last = self.pending[-1]
         body = self.steps.body_params
-        grads = torch.autograd.grad(out, [last.out] + body, allow_unused=True)
+        grads = torch.autograd.grad(out, [last.out] + body, grad_outputs=self.grad_output,
+                                    allow_unused=True)
         self.g = grads[0]
         last.out = None
         if self.g is None:
@@ -126,6 +131,8 @@ class BackwardWalk:
                     params.append(p)
                     grads.append(g)
         accumulate_grads(params, grads)
+        if x is not None and x.requires_grad and x.grad_fn is None:
+            self.input_grad = self.g          # a received pipeline input: its gradient
         self.g, self.below = None, []
 
 
@@ -173,20 +180,23 @@ class MicrobatchSteps:
         # on the model's device: megatron's finalize all-reduces it on an NCCL group
         self.tokens = torch.zeros([], dtype=torch.int, device=device)
 
-    def forward(self, k: int, execute: Callable[[LayerNode], None], tiles: int = 1) -> Microbatch:
+    def forward(self, k: int, execute: Callable[[LayerNode], None], tiles: int = 1,
+                data=None, input_tensor=None, is_last_stage: bool = True) -> Microbatch:
+        """Micro-batch k's forward; in a pipeline, `data` (this chunk's view of the
+        micro-batch), the received `input_tensor`, and whether this chunk ends the model."""
         from megatron.core.pipeline_parallel import schedules as ms
         runner = ForwardRunner(self.lanes, f"F{k + 1}", execute, tiles)
         with node_runner(runner):
             out, ntok = ms.forward_step(
-                self.fs, self.data, self.model, self.n, None, self.store, self.config,
-                self.cp, self.collect,
+                self.fs, self.data if data is None else data, self.model, self.n,
+                input_tensor, self.store, self.config, self.cp, self.collect,
                 is_first_microbatch=ms.check_first_val_step(self.first_val, False, k == 0),
-                current_microbatch=k)
+                current_microbatch=k, is_last_stage=is_last_stage)
         self.tokens += ntok          # no host copy: stays where megatron made it
         return Microbatch(k, out, runner.nodes)
 
-    def backward(self, mb: Microbatch) -> BackwardWalk:
-        return BackwardWalk(mb, self, f"B{mb.index + 1}")
+    def backward(self, mb: Microbatch, grad_output=None) -> BackwardWalk:
+        return BackwardWalk(mb, self, f"B{mb.index + 1}", grad_output)
 
     def finalize(self) -> None:
         c = self.config

@@ -56,6 +56,19 @@ class Lanes(abc.ABC):
         return self._launch(op, lane, out, lambda: dist.all_reduce(
             out, group=group, async_op=self.async_op))
 
+    def send(self, op: str, x: torch.Tensor, peer: int, group, lane: str,
+             tag: int = 0) -> Pending:
+        """Point-to-point send to global rank `peer` (pipeline traffic)."""
+        x = x.contiguous()
+        fn = dist.isend if self.async_op else dist.send
+        return self._launch(op, lane, x, lambda: fn(x, dst=peer, group=group, tag=tag))
+
+    def recv(self, op: str, out: torch.Tensor, peer: int, group, lane: str,
+             tag: int = 0) -> Pending:
+        """Point-to-point receive into `out` from global rank `peer`."""
+        fn = dist.irecv if self.async_op else dist.recv
+        return self._launch(op, lane, out, lambda: fn(out, src=peer, group=group, tag=tag))
+
     # backend hooks
     async_op = True
 

@@ -43,6 +43,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="prefix of a Megatron .bin/.idx dataset (tools/preprocess_data.py "
                         "output, or `dhelix make-corpus`)")
     g = p.add_argument_group("parallelism")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="G",
+                   help="pipeline stages: megatron's 1F1B, its interleaved schedule with "
+                        "--num-layers-per-virtual-pipeline-stage, or with --dhelix "
+                        "--dhelix-fold DHelix's U-folded pipeline (default: %(default)s)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   metavar="N", help="megatron's interleaved (VPP) schedule: N layers per "
+                                     "model chunk, several chunks per stage")
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="checked against the world size; inferred when omitted")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -61,6 +68,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int, default=1,
                    help="print every N steps (default: %(default)s)")
     g.add_argument("--json", default=None, help="write config, losses, tokens/s, peak memory")
+    g.add_argument("--save", default=None, metavar="DIR",
+                   help="write the final weights there, named as in the PP = 1 model "
+                        "(loads into any pipeline layout with the same TP)")
+    g.add_argument("--load", default=None, metavar="DIR", help="start from the weights a "
+                                                               "--save wrote")
     g.add_argument("--checksums", action="store_true",
                    help="with --json: also per-parameter sums of every step's gradient and "
                         "of the final weights (to compare two runs exactly)")
@@ -72,6 +84,9 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
     dh["enabled"] = bool(getattr(a, "dhelix", False))
     return TrainConfig(
         config=a.config, tensor_model_parallel_size=a.tensor_model_parallel_size,
+        pipeline_model_parallel_size=a.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=a.num_layers_per_virtual_pipeline_stage,
+        save=a.save, load=a.load,
         data_parallel_size=a.data_parallel_size, sequence_parallel=a.sequence_parallel,
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
         seq_length=a.seq_length, train_iters=a.train_iters, seed=a.seed, bf16=a.bf16,

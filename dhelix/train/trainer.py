@@ -25,6 +25,8 @@ from dhelix.schedules import make_schedule
 class TrainConfig:
     config: str = "tiny"
     tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None   # megatron's interleaved
     data_parallel_size: Optional[int] = None     # inferred from the world size if None
     sequence_parallel: bool = False
     micro_batch_size: int = 2
@@ -44,6 +46,8 @@ class TrainConfig:
     log_interval: int = 1
     json: Optional[str] = None
     checksums: bool = False                      # per-parameter grad/weight sums in the result
+    save: Optional[str] = None                   # checkpoint folder (weights, global names)
+    load: Optional[str] = None
     quiet: bool = False
     dhelix: dict = field(default_factory=dict)   # --dhelix* options (schedule issue)
 
@@ -54,22 +58,54 @@ class Layout:
     tp: int
     dp: int
     num_microbatches: int
+    pp: int = 1
+    vpp: int = 1            # model chunks per stage (megatron's interleaved schedule)
+    fold: bool = False      # DHelix's U-folded pipeline
 
 
 def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     """Validate parallel sizes against the world and the model; errors name the flag."""
     check_positive(cfg)
-    tp = cfg.tensor_model_parallel_size
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     if cfg.data_parallel_size is not None:
-        if tp * cfg.data_parallel_size != world:
+        if tp * pp * cfg.data_parallel_size != world:
             raise ConfigError(
-                f"world size {world} is not TP×DP = {tp}×{cfg.data_parallel_size}; launch "
-                f"{tp * cfg.data_parallel_size} ranks or change --tensor-model-parallel-size "
-                f"/ --data-parallel-size")
-    if world % tp:
+                f"world size {world} is not TP×PP×DP = {tp}×{pp}×{cfg.data_parallel_size}; "
+                f"launch {tp * pp * cfg.data_parallel_size} ranks or change "
+                f"--tensor-model-parallel-size / --pipeline-model-parallel-size / "
+                f"--data-parallel-size")
+    if world % (tp * pp):
         raise ConfigError(f"world size {world} is not divisible by "
-                          f"--tensor-model-parallel-size {tp}")
-    dp = world // tp
+                          f"--tensor-model-parallel-size {tp} × --pipeline-model-parallel-size "
+                          f"{pp}")
+    dp = world // (tp * pp)
+    fold_layers = bool(cfg.dhelix.get("fold"))
+    vpp = 1
+    if fold_layers:
+        from dhelix.folding.placement import fold
+        if not cfg.dhelix.get("enabled"):
+            raise ConfigError("--dhelix-fold needs --dhelix")
+        if cfg.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError("--dhelix-fold and --num-layers-per-virtual-pipeline-stage "
+                              "are two pipeline placements; give one")
+        fold(m.num_layers, pp)                  # raises FoldError (a ValueError)
+    elif pp > 1:
+        if cfg.dhelix.get("enabled") or cfg.dhelix.get("peer"):
+            raise ConfigError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
+                              "U-folded pipeline: add --dhelix-fold")
+        n = cfg.num_layers_per_virtual_pipeline_stage
+        if n:
+            if m.num_layers % (pp * n):
+                raise ConfigError(f"{m.name}: num_layers ({m.num_layers}) is not divisible "
+                                  f"by --pipeline-model-parallel-size {pp} × "
+                                  f"--num-layers-per-virtual-pipeline-stage {n}")
+            vpp = m.num_layers // (pp * n)
+        elif m.num_layers % pp:
+            raise ConfigError(f"{m.name}: num_layers ({m.num_layers}) is not divisible by "
+                              f"--pipeline-model-parallel-size {pp}")
+    elif cfg.num_layers_per_virtual_pipeline_stage:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs "
+                          "--pipeline-model-parallel-size > 1")
     if m.num_attention_heads % tp:
         raise ConfigError(f"{m.name}: num_attention_heads ({m.num_attention_heads}) is not "
                           f"divisible by --tensor-model-parallel-size {tp}")
@@ -90,13 +126,18 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     if gbs % (cfg.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {gbs} is not divisible by "
                           f"--micro-batch-size × DP = {cfg.micro_batch_size}×{dp}")
-    return Layout(world, tp, dp, gbs // (cfg.micro_batch_size * dp))
+    nmb = gbs // (cfg.micro_batch_size * dp)
+    if vpp > 1 and nmb % pp:
+        raise ConfigError(f"megatron's interleaved schedule needs a multiple of "
+                          f"--pipeline-model-parallel-size {pp} micro-batches per step, got "
+                          f"{nmb}; change --global-batch-size")
+    return Layout(world, tp, dp, nmb, pp, vpp, fold_layers)
 
 
 def check_positive(cfg: TrainConfig) -> None:
     for flag, v in (("--tensor-model-parallel-size", cfg.tensor_model_parallel_size),
                     ("--micro-batch-size", cfg.micro_batch_size),
-                    ("--seq-length", cfg.seq_length), ("--train-iters", cfg.train_iters),
+                    ("--seq-length", cfg.seq_length),
                     ("--log-interval", cfg.log_interval),
                     ("--global-batch-size", cfg.global_batch_size),
                     ("--data-parallel-size", cfg.data_parallel_size)):
@@ -104,6 +145,9 @@ def check_positive(cfg: TrainConfig) -> None:
             raise ConfigError(f"{flag} {v}: must be a positive integer")
     if cfg.eval_iters < 0:
         raise ConfigError(f"--eval-iters {cfg.eval_iters}: must be >= 0")
+    if cfg.train_iters < 1 and not (cfg.train_iters == 0 and cfg.save):
+        raise ConfigError(f"--train-iters {cfg.train_iters}: must be a positive integer (0 "
+                          f"only with --save: write the initial weights)")
 
 
 def preflight(cfg: TrainConfig, world: int) -> List[str]:
@@ -188,48 +232,41 @@ def setup_megatron(cfg: TrainConfig, m: ModelConfig, layout: Layout):
     cpu_compat.apply()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp)
+    kw = {}
+    if layout.vpp > 1:
+        kw["virtual_pipeline_model_parallel_size"] = layout.vpp
+    if layout.fold:     # embedding and output layer both on stage 0: no embedding group
+        kw["get_embedding_ranks"] = lambda pp_ranks: [pp_ranks[0]]
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
+                                             pipeline_model_parallel_size=layout.pp, **kw)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
-    return transformer_config(m, tp=layout.tp, sequence_parallel=cfg.sequence_parallel,
-                              bf16=cfg.bf16)
+    tconfig = transformer_config(m, tp=layout.tp, sequence_parallel=cfg.sequence_parallel,
+                                 bf16=cfg.bf16, pp=layout.pp)
+    if layout.vpp > 1:
+        tconfig.virtual_pipeline_model_parallel_size = layout.vpp
+    tconfig.batch_p2p_comm = False          # gloo: plain isend/irecv, no coalescing
+    return tconfig
 
 
-def build_model(cfg: TrainConfig, m: ModelConfig, tconfig, device, layer_module=None):
-    """GPTModel (DHelix or megatron layer) wrapped in megatron's DDP."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from dhelix.models.gpt import build_gpt
-
-    torch.manual_seed(cfg.seed)
-    model = build_gpt(m, tconfig, layer_module or TransformerLayer, cfg.seq_length).to(device)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
-        use_distributed_optimizer=False, bucket_size=None if not cfg.overlap_grad_reduce
-        else 40000)
-    model = DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=model)
-    tconfig.no_sync_func = model.no_sync
-    tconfig.finalize_model_grads_func = finalize_model_grads
-    tconfig.grad_scale_func = None
-    return model
-
-
-def _average_across_dp(values: List[float], device: torch.device) -> float:
+def _average_loss(values: List[float], device: torch.device, loss_rank) -> float:
+    """The step's loss on every rank: the loss stage's mean (pipeline), averaged over DP."""
     from megatron.core import parallel_state
-    # on the DP group's device: NCCL accepts no CPU tensor
+    # on the group's device: NCCL accepts no CPU tensor
     t = torch.tensor([sum(values) / max(len(values), 1)], dtype=torch.float64, device=device)
+    if loss_rank is not None:
+        dist.broadcast(t, src=loss_rank, group=parallel_state.get_pipeline_model_parallel_group())
     dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
     return t.item() / parallel_state.get_data_parallel_world_size()
 
 
-def checksums(model, attr: str) -> dict:
-    """name -> [sum, sum of squares] (float64) of each parameter's `attr` ("main_grad":
-    the gradient megatron DDP accumulated and reduced; "data": the weight), this rank's
-    shard: two runs compare without moving tensors."""
+def checksums(chunks, attr: str) -> dict:
+    """global name -> [sum, sum of squares] (float64) of each parameter's `attr`
+    ("main_grad": the gradient megatron DDP accumulated and reduced; "data": the weight),
+    this rank's shard: two runs compare without moving tensors."""
+    from dhelix.train.build import named_parameters_global
     out = {}
-    for name, p in model.named_parameters():
+    for name, p in named_parameters_global(chunks):
         t = getattr(p, attr, None)
         if t is not None:
             t = t.detach().double()
@@ -250,21 +287,33 @@ def train(cfg: TrainConfig) -> dict:
     from megatron.core import parallel_state
 
     schedule = make_schedule(cfg.dhelix)
-    model = build_model(cfg, m, tconfig, info.device, schedule.layer_module)
-    schedule.prepare(model, tconfig)
-    schedule.check(model, cfg.seq_length, cfg.micro_batch_size)
-    optimizer = MasterAdamW(model.parameters(), cfg.lr, cfg.weight_decay, cfg.clip_grad)
+    from dhelix.train.build import build, loss_stage_rank
+    built = build(cfg, m, tconfig, layout, info.device, schedule.layer_module, layout.fold)
+    chunks = built.chunks
+    if cfg.load:
+        from dhelix.train.checkpoint import load
+        load(chunks, cfg.load, layout.tp)
+    schedule.prepare(chunks, tconfig)
+    schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
+    params = list({id(p): p for c in chunks for p in c.parameters()}.values())
+    optimizer = MasterAdamW(params, cfg.lr, cfg.weight_decay, cfg.clip_grad)
     dp_rank = parallel_state.get_data_parallel_rank()
-    data = make_batches(cfg.data, seq_length=cfg.seq_length,
-                        micro_batch_size=cfg.micro_batch_size,
-                        num_microbatches=layout.num_microbatches, vocab_size=m.vocab_size,
-                        seed=cfg.seed, dp_rank=dp_rank, dp_size=layout.dp,
-                        data_path=cfg.data_path)
-    data = _to_device(data, info.device)
+
+    def stream():
+        return _to_device(make_batches(
+            cfg.data, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+            num_microbatches=layout.num_microbatches, vocab_size=m.vocab_size, seed=cfg.seed,
+            dp_rank=dp_rank, dp_size=layout.dp, data_path=cfg.data_path), info.device)
+    # megatron's interleaved schedule reads one iterator per model chunk
+    data = [stream() for _ in chunks] if layout.vpp > 1 else stream()
+    model = chunks if len(chunks) > 1 or layout.pp > 1 else chunks[0]
+    loss_rank = loss_stage_rank(built.loss_stage)
     rank0 = info.rank == 0 and not cfg.quiet
     tokens_per_step = cfg.seq_length * cfg.micro_batch_size * layout.num_microbatches * layout.dp
     if rank0:
-        print(f"dhelix train: {m.name} world={layout.world} TP={layout.tp} DP={layout.dp} "
+        print(f"dhelix train: {m.name} world={layout.world} TP={layout.tp} "
+              f"{f'PP={layout.pp} ' if layout.pp > 1 else ''}"
+              f"{f'VPP={layout.vpp} ' if layout.vpp > 1 else ''}DP={layout.dp} "
               f"SP={cfg.sequence_parallel} mbs={cfg.micro_batch_size} "
               f"microbatches={layout.num_microbatches} seq={cfg.seq_length} "
               f"{'bf16' if cfg.bf16 else 'fp32'} schedule={schedule.name} "
@@ -275,16 +324,17 @@ def train(cfg: TrainConfig) -> dict:
     for it in range(cfg.train_iters):
         report_progress(it + 1)
         t0 = time.perf_counter()
-        model.zero_grad_buffer()
+        for c in chunks:
+            c.zero_grad_buffer()
         with METER.autograd():
             out = schedule.forward_backward(
                 forward_step_func=forward_step, data_iterator=data, model=model,
                 num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
                 micro_batch_size=cfg.micro_batch_size, forward_only=False)
         if cfg.checksums:
-            grad_sums.append(checksums(model, "main_grad"))
+            grad_sums.append(checksums(chunks, "main_grad"))
         optimizer.step()
-        loss = _average_across_dp([o["lm loss"].item() for o in out], info.device)
+        loss = _average_loss([o["lm loss"].item() for o in out], info.device, loss_rank)
         dt = time.perf_counter() - t0
         losses.append(loss)
         times.append(dt)
@@ -297,7 +347,8 @@ def train(cfg: TrainConfig) -> dict:
                   f"peak act. {peak / 2**20:.2f} MiB", flush=True)
     eval_loss = None
     if cfg.eval_iters:
-        model.eval()
+        for c in chunks:
+            c.eval()
         vals = []
         with torch.no_grad():
             for _ in range(cfg.eval_iters):
@@ -306,31 +357,38 @@ def train(cfg: TrainConfig) -> dict:
                     num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
                     micro_batch_size=cfg.micro_batch_size, forward_only=True)
                 vals += [o["lm loss"].item() for o in out]
-        eval_loss = _average_across_dp(vals, info.device)
-        model.train()
+        eval_loss = _average_loss(vals, info.device, loss_rank)
+        for c in chunks:
+            c.train()
         if rank0:
             print(f" eval loss {eval_loss:.6f}", flush=True)
     written = schedule.finish(info.rank)
     if written and rank0:
         print(f"dhelix train: trace of the last iteration: {', '.join(written)}")
-    steady = times[1:] if len(times) > 1 else times
+    if cfg.save:
+        from dhelix.train.checkpoint import save
+        save(chunks, cfg.save, layout.tp)
+    steady = (times[1:] if len(times) > 1 else times) or [float("nan")]
     mem = peak_memory_bytes(info.device)
+    per_stage = _per_stage(mem["activations"], info.device) if layout.pp > 1 else None
     result = {
         "config": {**asdict(cfg), "model": asdict(m), "world_size": layout.world,
                    "data_parallel_size": layout.dp, "num_microbatches": layout.num_microbatches,
+                   "pipeline_stages": layout.pp, "virtual_chunks": layout.vpp,
                    "backend": info.backend, "schedule": schedule.name},
         "losses": losses,
         "eval_loss": eval_loss,
         "step_times_s": times,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
         "peak_memory_bytes": mem["activations"],
+        "peak_memory_bytes_per_stage": per_stage,
         "peak_rss_bytes": mem["process_rss"],
         "memory_method": mem["method"],
     }
     if cfg.checksums:
         result["grad_checksums"] = grad_sums
-        result["weight_checksums"] = checksums(model, "data")
-    if rank0:
+        result["weight_checksums"] = checksums(chunks, "data")
+    if rank0 and losses:
         print(f"dhelix train: done | final loss {losses[-1]:.6f} | "
               f"{result['tokens_per_s']:.0f} tokens/s | peak activations "
               f"{mem['activations'] / 2**20:.2f} MiB ({mem['method']})", flush=True)
@@ -339,6 +397,16 @@ def train(cfg: TrainConfig) -> dict:
         with open(cfg.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def _per_stage(value: int, device) -> List[int]:
+    """Each pipeline stage's value (this DP/TP position), gathered over the pipeline."""
+    from megatron.core import parallel_state
+    g = parallel_state.get_pipeline_model_parallel_group()
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size(g))]
+    dist.all_gather(out, t, group=g)
+    return [int(x.item()) for x in out]
 
 
 def _to_device(it, device):

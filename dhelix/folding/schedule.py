@@ -1,0 +1,229 @@
+"""The U-folded pipeline schedule (DESIGN §1.6), with megatron-core's forward-backward
+signature.
+
+Every stage holds its front and back chunk in one `FoldedStage` (one DDP). The stage runs
+its steps from `order.folded_order` — a forward work item of one micro-batch beside a
+backward item of another, co-executed layer by layer by the layer plan exactly as
+without a pipeline (`schedules.dhelix.co_step`), or one item alone. Between steps the
+pipeline traffic moves as explicit comm ops on the lane of the pipeline group (`intra`
+or `inter` by node membership): each step's outputs are sent asynchronously (they travel
+while the next step computes) and the next step's inputs are received ahead, before the
+current step runs. At the fold's turn (the last stage) the front chunk's output becomes
+the back chunk's input, and the back chunk's input grad the front chunk's output grad,
+with no P2P. Embedding and loss are both on stage 0.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from dhelix.folding.order import FoldedOrder, folded_order
+from dhelix.schedules.dhelix import DHelixSchedule, co_step
+from dhelix.schedules.microbatch import Microbatch, MicrobatchSteps
+
+ACT, GRAD = 0, 1
+
+
+def _tag(m: int, chunk: int, kind: int) -> int:
+    return 4 * m + 2 * chunk + kind
+
+
+class FoldedSchedule(DHelixSchedule):
+    name = "dhelix-fold"
+
+    def __init__(self, options: dict):
+        super().__init__(options)
+        self._orders: Dict[Tuple[int, int], FoldedOrder] = {}
+
+    def order(self, stages: int, microbatches: int) -> FoldedOrder:
+        key = (stages, microbatches)
+        if key not in self._orders:
+            self._orders[key] = folded_order(stages, microbatches)
+        return self._orders[key]
+
+    def forward_backward(self, **kw):
+        return forward_backward_folded(schedule=self, **kw)
+
+
+class _Pipe:
+    """This stage's pipeline traffic: async sends, receives posted ahead."""
+
+    def __init__(self, lanes, shape, dtype, device):
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from dhelix.strand.lanes import lane_of_group
+        self.lanes, self.shape, self.dtype, self.device = lanes, shape, dtype, device
+        self.group = parallel_state.get_pipeline_model_parallel_group()
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self.stage = parallel_state.get_pipeline_model_parallel_rank()
+        self.lane = lane_of_group(self.group)
+        self.sends = []
+        self.posted: Dict[Tuple[int, int, int], object] = {}
+
+    def send(self, t: torch.Tensor, to_stage: int, m: int, chunk: int, kind: int):
+        self.sends.append(self.lanes.send(f"p2p_send_{'act' if kind == ACT else 'grad'}",
+                                          t.detach(), self.ranks[to_stage], self.group,
+                                          self.lane, _tag(m, chunk, kind)))
+
+    def post_recv(self, from_stage: int, m: int, chunk: int, kind: int):
+        key = (m, chunk, kind)
+        if key not in self.posted:
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+            self.posted[key] = self.lanes.recv(
+                f"p2p_recv_{'act' if kind == ACT else 'grad'}", buf,
+                self.ranks[from_stage], self.group, self.lane, _tag(m, chunk, kind))
+
+    def take(self, m: int, chunk: int, kind: int) -> torch.Tensor:
+        return self.lanes.resolve(self.posted.pop((m, chunk, kind)))
+
+    def drain(self):
+        for p in self.sends:
+            self.lanes.resolve(p)
+        self.sends.clear()
+
+
+def forward_backward_folded(*, forward_step_func, data_iterator, model, num_microbatches,
+                            seq_length, micro_batch_size, decoder_seq_length=None,
+                            forward_only=False, collect_non_loss_data=False,
+                            first_val_step=None, schedule: Optional[FoldedSchedule] = None,
+                            **unused):
+    """megatron-core's forward-backward signature; `model` is [DDP(FoldedStage)]."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    stage_ddp = model[0] if isinstance(model, list) else model
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    front, back = stage_ddp.module.front, stage_ddp.module.back
+    if schedule.lanes is None:
+        schedule.prepare([stage_ddp], None)
+    config = get_model_config(front)
+    G = parallel_state.get_pipeline_model_parallel_world_size()
+    g = parallel_state.get_pipeline_model_parallel_rank()
+    N = num_microbatches
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    s_local = seq_length // tp if config.sequence_parallel else seq_length
+    pipe = _Pipe(schedule.lanes, (s_local, micro_batch_size, config.hidden_size),
+                 config.pipeline_dtype or config.params_dtype,
+                 next(stage_ddp.parameters()).device)
+    # every stage reads the step's micro-batches once, in order; both chunks see them
+    batches = [next(data_iterator) for _ in range(N)]
+    tracer = schedule.tracer
+    if tracer is not None:
+        tracer.reset()
+    steps = [MicrobatchSteps(forward_step_func, None, chunk, N, schedule.lanes, tracer,
+                             collect_non_loss_data, first_val_step) for chunk in (front, back)]
+    store = steps[1].store if g == 0 else []
+
+    if forward_only:
+        return _forward_only(steps, pipe, batches, G, g, N, store)
+
+    plans = schedule.plan_book(seq_length, micro_batch_size)
+    order = schedule.order(G, N)
+    records: Dict[Tuple[int, int], Microbatch] = {}
+    turn_act: Dict[int, torch.Tensor] = {}        # stage G-1: front output -> back input
+    turn_grad: Dict[int, torch.Tensor] = {}       # stage G-1: back input grad -> front
+    my_steps = order.steps[g]
+
+    def post_inputs(step):
+        """Post the receives a step needs (ahead of time)."""
+        if step.fwd:
+            _, c, m = step.fwd
+            if c == 0 and g > 0:
+                pipe.post_recv(g - 1, m, 0, ACT)
+            elif c == 1 and g < G - 1:
+                pipe.post_recv(g + 1, m, 1, ACT)
+        if step.bwd:
+            _, c, m = step.bwd
+            if c == 1 and g > 0:
+                pipe.post_recv(g - 1, m, 1, GRAD)
+            elif c == 0 and g < G - 1:
+                pipe.post_recv(g + 1, m, 0, GRAD)
+
+    no_sync = config.no_sync_func or contextlib.nullcontext
+    with no_sync():      # grads are reduced once, by finalize, after the last step
+        if my_steps:
+            post_inputs(my_steps[0])
+        for k, step in enumerate(my_steps):
+            walk = None
+            if step.bwd:
+                _, cb, mb = step.bwd
+                if cb == 1:
+                    gout = None if g == 0 else pipe.take(mb, 1, GRAD)
+                else:
+                    gout = turn_grad.pop(mb) if g == G - 1 else pipe.take(mb, 0, GRAD)
+                walk = steps[cb].backward(records.pop((cb, mb)), grad_output=gout)
+            forward = None
+            if step.fwd:
+                _, cf, mf = step.fwd
+                if cf == 0:
+                    x = None if g == 0 else pipe.take(mf, 0, ACT)
+                else:
+                    x = turn_act.pop(mf) if g == G - 1 else pipe.take(mf, 1, ACT)
+                if x is not None:
+                    x = x.detach().requires_grad_()
+                forward = _forward(steps[cf], mf, batches[mf], x,
+                                   is_last=(cf == 1 and g == 0))
+            if k + 1 < len(my_steps):
+                post_inputs(my_steps[k + 1])          # the next step's inputs travel now
+            out = co_step(plans, tracer, forward, walk)
+            if step.fwd:
+                records[(cf, mf)] = out
+                if cf == 0:
+                    if g == G - 1:
+                        turn_act[mf] = out.output.detach()
+                    else:
+                        pipe.send(out.output, g + 1, mf, 0, ACT)
+                elif g > 0:
+                    pipe.send(out.output, g - 1, mf, 1, ACT)
+            if walk is not None:
+                if cb == 1:
+                    if g == G - 1:
+                        turn_grad[mb] = walk.input_grad
+                    else:
+                        pipe.send(walk.input_grad, g + 1, mb, 1, GRAD)
+                elif g > 0:
+                    pipe.send(walk.input_grad, g - 1, mb, 0, GRAD)
+        pipe.drain()
+    tokens = steps[0].tokens + steps[1].tokens
+    if config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func([stage_ddp],
+                                         tokens if config.calculate_per_token_loss else None)
+    return store
+
+
+def _forward(steps: MicrobatchSteps, m: int, batch, x, is_last: bool):
+    def run(execute):
+        return steps.forward(m, execute, data=iter([batch]), input_tensor=x,
+                             is_last_stage=is_last)
+    return run
+
+
+def _forward_only(steps, pipe, batches, G, g, N, store):
+    """Evaluation: every micro-batch down through the front chunks and back up."""
+    from megatron.core.pipeline_parallel import schedules as ms
+    for m in range(N):
+        for c in (0, 1):
+            if c == 0:
+                x = None if g == 0 else _recv_now(pipe, g - 1, m, 0)
+            else:
+                x = turn if g == G - 1 else _recv_now(pipe, g + 1, m, 1)
+            s = steps[c]
+            out, _ = ms.forward_step(s.fs, iter([batches[m]]), s.model, N, x, s.store,
+                                     s.config, s.cp, s.collect, is_last_stage=(c == 1 and g == 0))
+            if c == 0:
+                if g == G - 1:
+                    turn = out
+                else:
+                    pipe.send(out, g + 1, m, 0, ACT)
+            elif g > 0:
+                pipe.send(out, g - 1, m, 1, ACT)
+    pipe.drain()
+    return store
+
+
+def _recv_now(pipe, stage, m, chunk):
+    pipe.post_recv(stage, m, chunk, ACT)
+    return pipe.take(m, chunk, ACT)

@@ -1,0 +1,133 @@
+"""Model chunks for a layout: PP = 1, megatron's pipeline (1F1B or interleaved), or the
+DHelix fold. Each chunk is megatron's GPTModel with the chunk's layers, wrapped in
+megatron's DDP, and knows its global layer numbers (`layer_ids`) so that checkpoints and
+checksums name every layer the same way in every layout."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from dhelix.folding.placement import Chunk, fold, megatron_pipeline
+
+
+@dataclass
+class Built:
+    chunks: list                   # DDP-wrapped model chunks, as megatron's schedules take them
+    placement: List[Chunk]         # this stage's chunks
+    loss_stage: int                # pipeline rank whose chunk computes the loss
+
+
+class FoldedStage(torch.nn.Module):
+    """The fold's two chunks of one stage in one module (one DDP, one optimizer view): a
+    tied output layer on stage 0 is then one parameter, seen once."""
+
+    def __init__(self, front, back):
+        super().__init__()
+        self.front, self.back = front, back
+
+
+def placement_of(cfg, m, layout, fold_layers: bool) -> List[List[Chunk]]:
+    if fold_layers:
+        return fold(m.num_layers, layout.pp)
+    if layout.pp == 1:
+        return [[Chunk(0, 0, tuple(range(m.num_layers)), True, True)]]
+    return megatron_pipeline(m.num_layers, layout.pp, layout.vpp)
+
+
+def _gpt(cfg, m, tconfig, chunk: Chunk, layer_module, vp_stage, share: bool):
+    from megatron.core.models.gpt import GPTModel
+
+    from dhelix.models.spec import block_spec
+    model = GPTModel(
+        config=tconfig, transformer_layer_spec=block_spec(len(chunk.layers), layer_module),
+        vocab_size=m.vocab_size,
+        max_sequence_length=max(cfg.seq_length, m.max_position_embeddings),
+        pre_process=chunk.pre_process, post_process=chunk.post_process, parallel_output=True,
+        share_embeddings_and_output_weights=share,
+        position_embedding_type=m.position_embedding_type, vp_stage=vp_stage)
+    for layer, gid in zip(model.decoder.layers, chunk.layers):
+        layer.layer_number = gid + 1       # megatron's 1-based global number
+    model.layer_ids = chunk.layers
+    return model
+
+
+def build(cfg, m, tconfig, layout, device, layer_module=None,
+          fold_layers: bool = False) -> Built:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layer_module = layer_module or TransformerLayer
+    stage = parallel_state.get_pipeline_model_parallel_rank() if layout.pp > 1 else 0
+    rows = placement_of(cfg, m, layout, fold_layers)
+    mine = rows[stage]
+    tied = not m.untie_embeddings_and_output_weights
+    torch.manual_seed(cfg.seed)
+    if fold_layers:
+        front = _gpt(cfg, m, tconfig, mine[0], layer_module, None, share=False)
+        back = _gpt(cfg, m, tconfig, mine[1], layer_module, None, share=False)
+        if tied and stage == 0:   # both ends on stage 0: tie them by sharing the Parameter
+            back.output_layer.weight = front.embedding.word_embeddings.weight
+        modules = [FoldedStage(front, back)]
+        loss_stage = 0
+    else:
+        vp = layout.vpp > 1
+        modules = [_gpt(cfg, m, tconfig, c, layer_module, c.index if vp else None,
+                        share=tied) for c in mine]
+        loss_stage = layout.pp - 1
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
+        use_distributed_optimizer=False,
+        bucket_size=None if not cfg.overlap_grad_reduce else 40000)
+    chunks = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config,
+                                      module=mod.to(device)) for mod in modules]
+    tconfig.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else \
+        [c.no_sync for c in chunks]
+    tconfig.finalize_model_grads_func = finalize_model_grads
+    tconfig.grad_scale_func = None
+    return Built(chunks, mine, loss_stage)
+
+
+def global_names(chunk) -> dict:
+    """Parameter name in `chunk` -> the name of that parameter in the unfolded, PP = 1
+    model ('decoder.layers.7.mlp.linear_fc1.weight'); a tied output layer maps to None
+    (the embedding holds it)."""
+    inner = chunk.module
+    parts = [("front.", inner.front), ("back.", inner.back)] if isinstance(
+        inner, FoldedStage) else [("", inner)]
+    out = {}
+    seen = set()
+    for prefix, gpt in parts:
+        ids = gpt.layer_ids
+        for name, p in gpt.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            g = name
+            if name.startswith("decoder.layers."):
+                local, rest = name[len("decoder.layers."):].split(".", 1)
+                g = f"decoder.layers.{ids[int(local)]}.{rest}"
+            out["module." + prefix + name] = g
+    return out
+
+
+def named_parameters_global(chunks):
+    """(global name, parameter) over every chunk of this rank."""
+    for c in chunks:
+        names = global_names(c)
+        params = dict(c.named_parameters())
+        for local, g in names.items():
+            yield g, params[local]
+
+
+def loss_stage_rank(loss_stage: int) -> Optional[int]:
+    """Global rank of the loss stage in this rank's pipeline group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return dist.get_process_group_ranks(
+        parallel_state.get_pipeline_model_parallel_group())[loss_stage]
