@@ -1,0 +1,140 @@
+"""The U-folded pipeline: placement, order, training like megatron's 1F1B, checkpoints
+across layouts, refusals, a dead stage."""
+import pytest
+
+from dhelix.folding.order import folded_order
+from dhelix.folding.placement import FoldError, fold, megatron_pipeline
+from dhelix.testing import RankError, run_ranks
+from train_fns import train_result
+
+STEPS = 10
+
+
+def test_fold_placement():
+    rows = fold(8, 2)
+    assert [c.layers for c in rows[0]] == [(0, 1), (6, 7)]
+    assert [c.layers for c in rows[1]] == [(2, 3), (4, 5)]
+    assert rows[0][0].pre_process and rows[0][1].post_process      # embedding, loss: stage 0
+    assert not rows[1][0].pre_process and not rows[1][1].post_process
+    assert sorted(l for r in fold(24, 4) for c in r for l in c.layers) == list(range(24))
+    with pytest.raises(FoldError, match="6 layers do not fold evenly over "
+                                        "--pipeline-model-parallel-size 2"):
+        fold(6, 2)
+    assert [c.layers for c in megatron_pipeline(8, 2, 2)[1]] == [(2, 3), (6, 7)]
+
+
+@pytest.mark.parametrize("G,N", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16)])
+def test_order_is_complete_and_respects_dependencies(G, N):
+    o = folded_order(G, N)
+    end = {}
+    for g, steps in enumerate(o.steps):
+        items = [it for s in steps for it in (s.fwd, s.bwd) if it]
+        assert sorted(items) == sorted((k, c, m) for k in "FB" for c in (0, 1)
+                                       for m in range(N)), g
+        for s in steps:
+            assert not (s.fwd and s.bwd and s.fwd[2] == s.bwd[2])   # two micro-batches
+            for it in (s.fwd, s.bwd):
+                if it:
+                    end[(g, it)] = (s.start, s.end)
+    for (g, (k, c, m)), (start, _) in end.items():
+        deps = []
+        if k == "F" and c == 0 and g > 0:
+            deps = [(g - 1, ("F", 0, m))]
+        elif k == "F" and c == 1:
+            deps = [(g + 1, ("F", 1, m)) if g < G - 1 else (g, ("F", 0, m))]
+        elif k == "B" and c == 1:
+            deps = [(g, ("F", 1, m))] + ([(g - 1, ("B", 1, m))] if g else [])
+        elif k == "B":
+            deps = [(g, ("F", 0, m)), (g + 1, ("B", 0, m)) if g < G - 1 else (g, ("B", 1, m))]
+        for d in deps:
+            assert end[d][1] <= start, (g, (k, c, m), d)
+    assert 0.0 <= o.bubble() < 0.5
+    assert sum(1 for s in o.steps[0] if s.fwd and s.bwd) > 0            # it co-executes
+
+
+def _runs(world, nmb, tp=1, tmp=None, **kw):
+    """megatron 1F1B and the fold from the same initial weights (a PP=1 checkpoint)."""
+    d = str(tmp)
+    common = dict(config="tiny-llama4", tensor_model_parallel_size=tp,
+                  sequence_parallel=tp > 1, micro_batch_size=1)
+    run_ranks(train_result, tp, timeout=300, train_iters=0, save=d, **common)
+    kw = dict(common, train_iters=STEPS, load=d, global_batch_size=nmb * world // (2 * tp),
+              pipeline_model_parallel_size=2, **kw)
+    base = run_ranks(train_result, world, timeout=600, **kw)
+    dh = run_ranks(train_result, world, timeout=600, dhelix={"enabled": True, "fold": True},
+                   **kw)
+    return base, dh
+
+
+@pytest.mark.parametrize("world,tp,nmb", [(2, 1, 4), (2, 1, 8), (4, 2, 4), (4, 2, 8)],
+                         ids=["pp2-mb4", "pp2-mb8", "pp2-tp2sp-mb4", "pp2-tp2sp-mb8"])
+def test_fold_trains_like_megatron_1f1b(tmp_path, world, tp, nmb):
+    base, dh = _runs(world, nmb, tp, tmp_path)
+    assert base[0]["config"]["schedule"] == "megatron"
+    assert dh[0]["config"]["schedule"] == "dhelix-fold"
+    assert dh[0]["config"]["num_microbatches"] == nmb
+    for r1, r2 in zip(base, dh):
+        for i, (a, b) in enumerate(zip(r1["losses"], r2["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(a), f"step {i + 1}: 1F1B {a} vs fold {b}"
+    assert len(dh[0]["peak_memory_bytes_per_stage"]) == 2
+
+
+def test_checkpoint_moves_between_fold_and_unfolded(tmp_path):
+    """Trained folded, saved; loaded unfolded (PP=1) and saved; loaded folded again: the
+    same eval loss all three times (tied embeddings: both on stage 0 of the fold)."""
+    a, b = str(tmp_path / "folded"), str(tmp_path / "unfolded")
+    kw = dict(config="tiny4", micro_batch_size=1, global_batch_size=4, eval_iters=2)
+    run_ranks(train_result, 2, timeout=300, train_iters=3, save=a,
+              pipeline_model_parallel_size=2, dhelix={"enabled": True, "fold": True}, **kw)
+    fold_eval = run_ranks(train_result, 2, timeout=300, train_iters=0, load=a, save=a + "2",
+                          pipeline_model_parallel_size=2,
+                          dhelix={"enabled": True, "fold": True}, **kw)[0]["eval_loss"]
+    flat = run_ranks(train_result, 1, timeout=300, train_iters=0, load=a, save=b,
+                     **kw)[0]["eval_loss"]
+    back = run_ranks(train_result, 2, timeout=300, train_iters=0, load=b, save=b + "2",
+                     pipeline_model_parallel_size=2, dhelix={"enabled": True, "fold": True},
+                     **kw)[0]["eval_loss"]
+    assert fold_eval is not None
+    assert abs(fold_eval - flat) <= 1e-6 * abs(flat) and abs(back - flat) <= 1e-6 * abs(flat)
+
+
+def test_uneven_fold_is_refused():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "dhelix.cli", "train", "--nproc", "2",
+                        "--config", "tiny-llama", "--pipeline-model-parallel-size", "2",
+                        "--dhelix", "--dhelix-fold"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2
+    assert "2 layers do not fold evenly over --pipeline-model-parallel-size 2" in r.stderr
+
+
+def test_dead_stage_is_an_error_not_a_hang():
+    """Stage 1 exits in the second step: the job ends with an error naming the dead rank
+    or the lost connection — long before the timeout, never a hang."""
+    import time
+    from dhelix.testing import RankTimeout
+    t = time.time()
+    with pytest.raises(RankError) as e:
+        run_ranks(_die_on_stage1, 2, timeout=200)
+    assert not isinstance(e.value, RankTimeout)
+    assert "rank 1 died" in str(e.value) or "Connection reset by peer" in str(e.value)
+    assert time.time() - t < 120
+
+
+def _die_on_stage1():
+    import os
+    import torch.distributed as dist
+    from dhelix.folding import schedule as fs
+    orig = fs.forward_backward_folded
+    calls = {"n": 0}
+
+    def dying(**kw):
+        calls["n"] += 1
+        if dist.get_rank() == 1 and calls["n"] == 2:
+            os._exit(3)                       # stage 1 dies in the second step
+        return orig(**kw)
+    fs.forward_backward_folded = dying
+    return train_result(config="tiny-llama4", micro_batch_size=1, global_batch_size=4,
+                        train_iters=5, pipeline_model_parallel_size=2,
+                        dhelix={"enabled": True, "fold": True})
