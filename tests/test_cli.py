@@ -91,10 +91,10 @@ def test_killed_rank_is_reported():
 
 def test_fold_help_and_error():
     r = dhelix("train", "--help")
-    assert "not available yet" in " ".join(r.stdout.split())
+    assert "U-folded pipeline" in " ".join(r.stdout.split())
     r = dhelix("train", "--nproc", "2", *TINY, "--dhelix", "--dhelix-fold")
     assert r.returncode == 2 and "--dhelix-fold" in r.stderr
-    assert "--pipeline-model-parallel-size" not in r.stderr     # not a flag of dhelix train
+    assert "--pipeline-model-parallel-size 2 or more" in r.stderr
 
 
 def _walk(parser):

@@ -52,10 +52,10 @@ def test_order_is_complete_and_respects_dependencies(G, N):
     assert sum(1 for s in o.steps[0] if s.fwd and s.bwd) > 0            # it co-executes
 
 
-def _runs(world, nmb, tp=1, tmp=None, **kw):
+def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", **kw):
     """megatron 1F1B and the fold from the same initial weights (a PP=1 checkpoint)."""
     d = str(tmp)
-    common = dict(config="tiny-llama4", tensor_model_parallel_size=tp,
+    common = dict(config=config, tensor_model_parallel_size=tp,
                   sequence_parallel=tp > 1, micro_batch_size=1)
     run_ranks(train_result, tp, timeout=300, train_iters=0, save=d, **common)
     kw = dict(common, train_iters=STEPS, load=d, global_batch_size=nmb * world // (2 * tp),
@@ -66,10 +66,14 @@ def _runs(world, nmb, tp=1, tmp=None, **kw):
     return base, dh
 
 
-@pytest.mark.parametrize("world,tp,nmb", [(2, 1, 4), (2, 1, 8), (4, 2, 4), (4, 2, 8)],
-                         ids=["pp2-mb4", "pp2-mb8", "pp2-tp2sp-mb4", "pp2-tp2sp-mb8"])
-def test_fold_trains_like_megatron_1f1b(tmp_path, world, tp, nmb):
-    base, dh = _runs(world, nmb, tp, tmp_path)
+@pytest.mark.parametrize("world,tp,nmb,config", [
+    (2, 1, 4, "tiny-llama4"), (2, 1, 8, "tiny-llama4"), (4, 2, 4, "tiny-llama4"),
+    (4, 2, 8, "tiny-llama4"), (2, 1, 4, "tiny4")],
+    ids=["pp2-mb4", "pp2-mb8", "pp2-tp2sp-mb4", "pp2-tp2sp-mb8", "pp2-mb4-tied"])
+def test_fold_trains_like_megatron_1f1b(tmp_path, world, tp, nmb, config):
+    """Tied embeddings (tiny4): megatron's 1F1B keeps a copy of the embedding on the last
+    stage, synchronised by an all-reduce (compat (e) on CPU); the fold has both on stage 0."""
+    base, dh = _runs(world, nmb, tp, tmp_path, config)
     assert base[0]["config"]["schedule"] == "megatron"
     assert dh[0]["config"]["schedule"] == "dhelix-fold"
     assert dh[0]["config"]["num_microbatches"] == nmb

@@ -50,6 +50,21 @@ def test_install_hook_swaps_only_with_flag():
     assert gpt_layer_specs.get_gpt_layer_local_spec().module is not DHelixLayer
 
 
+def test_install_refuses_the_fold_in_pretrain_gpt():
+    """pretrain_gpt.py places layers the megatron way; the fold is `dhelix train`'s."""
+    import pytest
+    from megatron.core import pipeline_parallel
+    from dhelix.megatron.args import DHelixArgError
+    from dhelix.megatron.install import install
+    before = pipeline_parallel.get_forward_backward_func
+    args = _args("--dhelix", "--dhelix-fold")
+    args.pipeline_model_parallel_size = 2
+    with pytest.raises(DHelixArgError, match="dhelix train --pipeline-model-parallel-size G "
+                                             "--dhelix --dhelix-fold"):
+        install(args)
+    assert pipeline_parallel.get_forward_backward_func is before     # nothing half-installed
+
+
 def test_cluster_by_name_or_path():
     import pytest
     from dhelix.megatron.args import DHelixArgError, check_dhelix_args

@@ -201,6 +201,6 @@ def test_megatron_arg_provider_parses_every_flag(tmp_path):
         check_dhelix_args(p.parse_args(["--dhelix", "--dhelix-memory-budget", "-1"]))
     with pytest.raises(DHelixArgError, match="needs --dhelix"):
         check_dhelix_args(p.parse_args(["--dhelix-plan", str(plan)]))
-    with pytest.raises(DHelixArgError, match="--dhelix-fold: the U-folded pipeline schedule "
-                                             "is not available"):
+    with pytest.raises(DHelixArgError, match="--dhelix-fold folds the layers over pipeline "
+                                             "stages: give --pipeline-model-parallel-size 2"):
         check_dhelix_args(p.parse_args(["--dhelix", "--dhelix-fold"]))

@@ -97,6 +97,23 @@ def _cpu_tracker_class():
     return CpuRNGStatesTracker
 
 
+def _cpu_embedding_sync() -> None:
+    """(e) With pipeline stages and tied embeddings, megatron copies the embedding to the
+    last stage's output layer by an all-reduce of `weight.data.cuda()`: on CPU, inside that
+    one method, `.cuda()` leaves the tensor where it is."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    orig = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup(self, *a, **k):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kw: t
+        try:
+            return orig(self, *a, **k)
+        finally:
+            torch.Tensor.cuda = cuda
+    LanguageModule.setup_embeddings_and_output_layer = setup
+
+
 def apply() -> bool:
     """Patch megatron for CPU if CUDA is absent. Returns True if patches are in place."""
     global _APPLIED
@@ -118,6 +135,7 @@ def apply() -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     # `initialize_rng_tracker(force_reset=True)` would build a CUDA tracker again
     mrandom.CudaRNGStatesTracker = tracker_cls
+    _cpu_embedding_sync()
     _APPLIED = True
     return True
 

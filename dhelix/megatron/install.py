@@ -21,6 +21,12 @@ def install(args) -> bool:
     check_dhelix_args(args)
     if not getattr(args, "dhelix", False):
         return False
+    if getattr(args, "dhelix_fold", False):
+        from dhelix.megatron.args import DHelixArgError
+        raise DHelixArgError("--dhelix-fold: Megatron-LM's pretrain_gpt.py builds megatron's "
+                             "own pipeline placement; the U-folded pipeline runs with "
+                             "`dhelix train --pipeline-model-parallel-size G --dhelix "
+                             "--dhelix-fold`")
     from megatron.core import pipeline_parallel
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.pipeline_parallel import schedules
