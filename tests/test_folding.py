@@ -23,7 +23,7 @@ def test_fold_placement():
     assert [c.layers for c in megatron_pipeline(8, 2, 2)[1]] == [(2, 3), (6, 7)]
 
 
-@pytest.mark.parametrize("G,N", [(2, 4), (2, 8), (3, 6), (4, 8), (4, 16)])
+@pytest.mark.parametrize("G,N", [(2, 3), (3, 4), (2, 4), (2, 8), (3, 6), (4, 8), (4, 16)])
 def test_order_is_complete_and_respects_dependencies(G, N):
     o = folded_order(G, N)
     end = {}
@@ -49,7 +49,17 @@ def test_order_is_complete_and_respects_dependencies(G, N):
         for d in deps:
             assert end[d][1] <= start, (g, (k, c, m), d)
     assert 0.0 <= o.bubble() < 0.5
-    assert sum(1 for s in o.steps[0] if s.fwd and s.bwd) > 0            # it co-executes
+    if N >= 2 * G:            # the V-shaped phases: every stage co-executes, N-2G+g+1 ≥ 1
+        for g in range(G):
+            assert sum(1 for s in o.steps[g] if s.fwd and s.bwd) >= 2 * (N - 2 * G + g + 1)
+    # between steps a stage holds at most 2G chunk activations (1F1B's first stage: G
+    # micro-batches × 2 halves); inside a paired step the backward frees what the forward
+    # allocates, layer by layer
+    for steps in o.steps:
+        live = 0
+        for s in steps:
+            live += (1 if s.fwd else 0) - (1 if s.bwd else 0)
+            assert live <= 2 * G
 
 
 def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", **kw):

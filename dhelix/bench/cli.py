@@ -11,6 +11,12 @@ model size, the same GPT is trained for the same steps by
 and the table reports tokens/s, speedup over baseline, peak activation memory, the
 per-step lower bound max(compute, comm) + the rest, measured from the trivial run's
 trace, and the share of the baseline's exposed communication each method hid.
+
+With --pipeline-model-parallel-size G > 1 the methods are the pipeline schedules:
+megatron's 1F1B, megatron's interleaved (two chunks per stage, like the fold) and the
+DHelix fold with the planner's plan; the table adds per-stage peak memory, the measured
+idle share of every stage (1 - its main thread's CPU time / step time) and what the
+pipeline simulator predicts for both from the same profiled table.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from typing import Dict, List
 from dhelix.links import parse_link
 
 METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan")
+PP_METHODS = ("megatron-1f1b", "megatron-interleaved", "dhelix-fold")
 
 
 def register(sub):
@@ -41,6 +48,9 @@ def register(sub):
                    help="TP, with sequence parallel (default: %(default)s)")
     p.add_argument("--seq-length", type=int, default=128, help="(default: %(default)s)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="(default: %(default)s)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="G",
+                   help="G > 1: compare the pipeline schedules (1F1B, interleaved, DHelix "
+                        "fold) on TP × G ranks (default: %(default)s)")
     p.add_argument("--num-microbatches", type=int, default=8,
                    help="micro-batches per step (default: %(default)s)")
     p.add_argument("--train-iters", type=int, default=6,
@@ -110,7 +120,8 @@ def _split_links(text: str) -> List[str]:
 
 
 def _argv(a, cfg, out_json, method, cluster, trace):
-    dp = a.nproc // a.tensor_model_parallel_size
+    pp = a.pipeline_model_parallel_size
+    dp = a.nproc // (a.tensor_model_parallel_size * pp)
     argv = ["train", "--config", cfg, "--tensor-model-parallel-size",
             str(a.tensor_model_parallel_size), "--sequence-parallel", "--seq-length",
             str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
@@ -121,9 +132,17 @@ def _argv(a, cfg, out_json, method, cluster, trace):
         argv += ["--dhelix-peer", "intra-batch"]
     elif method == "dhelix-trivial":
         argv += ["--dhelix", "--dhelix-plan", "trivial", "--dhelix-trace", trace]
-    elif method == "dhelix-plan":
+    elif method in ("dhelix-plan", "dhelix-fold"):
         argv += ["--dhelix"] + (["--dhelix-overlap-table", cluster]
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
+    if pp > 1:
+        argv += ["--pipeline-model-parallel-size", str(pp)]
+        if method == "dhelix-fold":
+            argv += ["--dhelix-fold"]
+        elif method == "megatron-interleaved":
+            from dhelix.models.config import load_model_config
+            argv += ["--num-layers-per-virtual-pipeline-stage",
+                     str(load_model_config(cfg).num_layers // (2 * pp))]
     return argv
 
 
@@ -172,7 +191,8 @@ def run(a, argv) -> int:
     work = tempfile.mkdtemp(prefix="dhelix-bench-")
     log = os.path.join(work, "runs.log")
     rows: List[dict] = []
-    per = len(METHODS) * a.rounds + (a.planner_source == "table")
+    methods = PP_METHODS if a.pipeline_model_parallel_size > 1 else METHODS
+    per = len(methods) * a.rounds + (a.planner_source == "table")
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
         for lk in links:
@@ -182,7 +202,9 @@ def run(a, argv) -> int:
                     if a.planner_source == "table":
                         cluster = os.path.join(work, f"table-{cfg}-{link}.json")
                         bar.set_postfix_str(f"{cfg} {link} profile")
-                        rc = spawn_local(a.nproc, _profile_argv(a, cfg, cluster), prefix=prefix,
+                        # the layer's TP group alone: the table is per layer
+                        rc = spawn_local(a.tensor_model_parallel_size,
+                                         _profile_argv(a, cfg, cluster), prefix=prefix,
                                          extra_env=env, timeout_s=3600, log=log)
                         if rc != 0:
                             raise RuntimeError(f"{cfg} {link}: dhelix profile failed "
@@ -192,7 +214,7 @@ def run(a, argv) -> int:
                         cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))
                     res = {}
                     for rnd in range(a.rounds):
-                        for method in METHODS:
+                        for method in methods:
                             out = os.path.join(work, f"{cfg}-{link}-{method}-{rnd}.json")
                             trace = os.path.join(work, f"{cfg}-{link}-trace.json")
                             bar.set_postfix_str(f"{cfg} {link} {method} round {rnd + 1}")
@@ -213,13 +235,16 @@ def run(a, argv) -> int:
                                                      r["tokens_per_s"]) / (rnd + 1)
                             res[method] = r
                             bar.update(1)
-                    rows += _rows(cfg, link, res, _trace_totals(trace))
+                    if a.pipeline_model_parallel_size > 1:
+                        rows += _pp_rows(a, cfg, link, res, cluster)
+                    else:
+                        rows += _rows(cfg, link, res, _trace_totals(trace))
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2
     finally:
         bar.close()
-    md = markdown(rows)
+    md = pp_markdown(rows) if a.pipeline_model_parallel_size > 1 else markdown(rows)
     print(md)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".md", "w") as f:
@@ -227,7 +252,7 @@ def run(a, argv) -> int:
     with open(a.out + ".json", "w") as f:
         json.dump({"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows},
                   f, indent=1)
-    plot(rows, a.out + ".png")
+    (pp_plot if a.pipeline_model_parallel_size > 1 else plot)(rows, a.out + ".png")
     print(f"dhelix bench: wrote {a.out}.md, {a.out}.json, {a.out}.png (runs under {work})")
     return 0
 
@@ -254,6 +279,99 @@ def _rows(cfg, link, res, tr) -> List[dict]:
             "final_loss": res[m]["losses"][-1],
         })
     return out
+
+
+def _pp_rows(a, cfg, link, res, cost_source) -> List[dict]:
+    """Pipeline rows: measured, and the pipeline simulator's prediction from the same
+    costs the fold planned with."""
+    sim = _pp_simulate(a, cfg, link, cost_source)
+    base = step_time(res["megatron-1f1b"])
+    base_peak = max(res["megatron-1f1b"]["peak_memory_bytes_per_stage"])
+    out = []
+    for m in PP_METHODS:
+        r, t = res[m], step_time(res[m])
+        s = sim.get(m)
+        out.append({
+            "config": cfg, "link": link, "method": m, "step_s": t,
+            "tokens_per_s": r["tokens_per_s"], "speedup": base / t,
+            "peak_activation_bytes_per_stage": r["peak_memory_bytes_per_stage"],
+            "peak_vs_1f1b": max(r["peak_memory_bytes_per_stage"]) / base_peak,
+            "idle_share_per_stage": r["idle_share_per_stage"],
+            "sim_step_s": s.makespan if s else None,
+            "sim_bubble": s.bubble if s else None,
+            "sim_idle_per_stage": ([1 - b / s.makespan for b in s.busy] if s else None),
+            "sim_speedup": sim["megatron-1f1b"].makespan / s.makespan if s else None,
+            "final_loss": r["losses"][-1],
+        })
+    return out
+
+
+def _pp_simulate(a, cfg, link, cost_source) -> dict:
+    from dhelix.folding.simulate import LayerCosts, simulate_pipeline
+    from dhelix.models.config import load_model_config
+    from dhelix.planner import dp
+    from dhelix.planner.cli import layer_for_shape, load_costs
+    tp = a.tensor_model_parallel_size
+    shape = {"config": cfg, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
+             "mbs": a.micro_batch_size, "bf16": False, "lane": "intra"}
+    layer = layer_for_shape(shape)
+    table = cost_source if cost_source.endswith(".json") else None
+    costs, _ = load_costs(layer, shape, table, None if table else cost_source, False)
+    lc = LayerCosts.from_plan(layer, dp.plan(layer, costs), costs)
+    m = load_model_config(cfg)
+    G = a.pipeline_model_parallel_size
+    lk = parse_link(link)
+    nbytes = a.seq_length // tp * a.micro_batch_size * m.hidden_size * 4
+    p2p = 0.0 if lk.kind == "none" else \
+        nbytes / (lk.rate_Bps / (2 if lk.kind == "tbf" else 1)) + lk.latency_s
+    return simulate_pipeline(lc, m.num_layers, G, a.num_microbatches, p2p,
+                             vpp_layers=m.num_layers // (2 * G))
+
+
+def pp_markdown(rows) -> str:
+    lines = ["| model | link | schedule | tokens/s | speedup vs 1F1B (sim.) | step ms (sim.) | "
+             "peak act. per stage MiB | peak vs 1F1B | idle per stage: measured (sim.) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        idle = ", ".join(f"{m * 100:.0f}%" + (f" ({s * 100:.0f}%)" if s is not None else "")
+                         for m, s in zip(r["idle_share_per_stage"],
+                                         r["sim_idle_per_stage"] or [None] * 99))
+        sim_sp = f" ({r['sim_speedup']:.2f}x)" if r["sim_speedup"] else ""
+        sim_t = f" ({r['sim_step_s'] * 1e3:.0f})" if r["sim_step_s"] else ""
+        lines.append(
+            f"| {r['config']} | {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+            f"{r['speedup']:.2f}x{sim_sp} | {r['step_s'] * 1e3:.0f}{sim_t} | "
+            + ", ".join(f"{b / 2**20:.0f}" for b in r["peak_activation_bytes_per_stage"])
+            + f" | {r['peak_vs_1f1b']:.2f}x | {idle} |")
+    return "\n".join(lines)
+
+
+def pp_plot(rows, path):
+    """Speedup over 1F1B per link, measured (solid) and simulated (dashed)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    configs = sorted({r["config"] for r in rows})
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
+    for ax, cfg in zip(axes[0], configs):
+        links = list(dict.fromkeys(r["link"] for r in rows if r["config"] == cfg))
+        xs = list(range(len(links)))
+        for k, m in enumerate(PP_METHODS):
+            sel = [next(r for r in rows if r["config"] == cfg and r["link"] == l and
+                        r["method"] == m) for l in links]
+            ax.plot(xs, [r["speedup"] for r in sel], marker="o", color=f"C{k}", label=m)
+            ax.plot(xs, [r["sim_speedup"] or float("nan") for r in sel], linestyle="--",
+                    color=f"C{k}", label=f"{m} (simulated)")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(links)
+        ax.set_xlabel("link rate")
+        ax.set_ylabel("speedup over megatron 1F1B")
+        ax.set_title(cfg)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def markdown(rows) -> str:

@@ -7,13 +7,22 @@ Work items: ("F", chunk, m) runs chunk 0 (front) or 1 (back) of micro-batch m fo
   B1(m): F1(m) here and B1(m) on g-1  (stage 0: the loss, computed by its F1(m))
   B0(m): F0(m) here and B0(m) on g+1  (stage G-1: its own B1(m))
 A stage runs *steps*, each a forward item beside a backward item of another micro-batch
-(the pair DHelix co-executes, layer by layer, by the plan) or one alone. The order is
-made by playing the pipeline with unit costs (a chunk forward 1, backward 2, a pair the
-sum: on one device the two strands share the compute) and greedy choices: the oldest
-ready backward first, then the forward that moves its micro-batch furthest, at most
-`depth` micro-batches in flight per stage (their front activations alive). Every stage
-executes its list in order; since each item's inputs come from steps that ended earlier
-in the play, the real run cannot deadlock whatever the actual times.
+(the pair DHelix co-executes, layer by layer, by the plan) or one alone.
+
+With N >= 2G micro-batches the order has the phases of a V-shaped pipeline (the shape of
+DeepSeek's DualPipeV, without its weight-grad split): stage g runs
+  1. warm-up      2(G-g-1) × F0
+  2. fill         (g+1) × [F0, F1]
+  3. turn         (G-g-1) × [B1, F1]
+  4. steady       N-2G+g+1 × [F0 | B1, F1 | B0]    (| : one paired step)
+  5. drain        (G-g-1) × [B1, F1 | B0]
+  6. empty        (g+1) × [B1, B0]
+  7. cool-down    (G-g-1) × B0
+each kind in micro-batch order. At most 2G chunk activations are alive on a stage, the
+same bytes as 1F1B's first stage (G micro-batches × L/G layers). With fewer micro-batches
+a greedy play with unit costs makes the order (`greedy_order`). Either way every item's
+inputs come from steps that end earlier, so the real run cannot deadlock whatever the
+actual times (`play` checks it).
 """
 from __future__ import annotations
 
@@ -65,18 +74,9 @@ def _cost(s: Step, f: float, b: float) -> float:
     return (f if s.fwd else 0.0) + (b if s.bwd else 0.0)
 
 
-def folded_order(stages: int, microbatches: int, depth: Optional[int] = None,
-                 f: float = 1.0, b: float = 2.0) -> FoldedOrder:
-    """Per-stage steps of the folded schedule for `microbatches` micro-batches."""
-    G, N = stages, microbatches
-    depth = depth or 2 * G
-    done: Dict[Tuple[int, Item], float] = {}      # (stage, item) -> end time
-    free = [0.0] * G
-    started_f0 = [0] * G                          # next micro-batch to start F0 on a stage
-    in_flight = [set() for _ in range(G)]
-    todo = [{("F", c, m) for c in (0, 1) for m in range(N)} |
-            {("B", c, m) for c in (0, 1) for m in range(N)} for _ in range(G)]
-    order = FoldedOrder(G, N, [[] for _ in range(G)])
+def fold_deps(stages: int):
+    """deps(g, item) -> [(stage, item)] the item waits for (the table above)."""
+    G = stages
 
     def deps(g, it) -> List[Tuple[int, Item]]:
         kind, c, m = it
@@ -87,6 +87,90 @@ def folded_order(stages: int, microbatches: int, depth: Optional[int] = None,
         if c == 1:
             return [(g, ("F", 1, m))] + ([(g - 1, it)] if g > 0 else [])
         return [(g, ("F", 0, m))] + ([(g + 1, it)] if g < G - 1 else [(g, ("B", 1, m))])
+    return deps
+
+
+def folded_order(stages: int, microbatches: int) -> FoldedOrder:
+    """Per-stage steps of the folded schedule (timed with unit costs)."""
+    G, N = stages, microbatches
+    if N < 2 * G:
+        return greedy_order(G, N)
+    order = FoldedOrder(G, N, [[] for _ in range(G)])
+    for g in range(G):
+        nxt = {k: 0 for k in ("F0", "F1", "B0", "B1")}
+
+        def it(k):
+            m = nxt[k]
+            nxt[k] += 1
+            return (k[0], int(k[1]), m)
+        steps = order.steps[g]
+        r = G - g - 1
+        steps += [Step(it("F0"), None) for _ in range(2 * r)]
+        for _ in range(g + 1):
+            steps += [Step(it("F0"), None), Step(it("F1"), None)]
+        for _ in range(r):
+            steps += [Step(None, it("B1")), Step(it("F1"), None)]
+        for _ in range(N - 2 * G + g + 1):
+            steps += [Step(it("F0"), it("B1")), Step(it("F1"), it("B0"))]
+        for _ in range(r):
+            steps += [Step(None, it("B1")), Step(it("F1"), it("B0"))]
+        for _ in range(g + 1):
+            steps += [Step(None, it("B1")), Step(None, it("B0"))]
+        steps += [Step(None, it("B0")) for _ in range(r)]
+    return play(order, fold_deps(G), lambda i: 1.0 if i[0] == "F" else 2.0,
+                lambda fw, bw: 3.0, 0.0)
+
+
+def play(order: FoldedOrder, deps, item_cost, pair_cost, p2p_s: float) -> FoldedOrder:
+    """Time `order`: each stage runs its steps in order; a step starts when its stage is
+    free and every input has arrived (from another stage: p2p_s after it ended there).
+    Raises RuntimeError if the stages would wait on each other forever."""
+    G = order.stages
+    timed = FoldedOrder(G, order.microbatches, [[] for _ in range(G)])
+    end: Dict[Tuple[int, Item], float] = {}
+    nxt, free = [0] * G, [0.0] * G
+    remaining = sum(len(s) for s in order.steps)
+    while remaining:
+        moved = False
+        for g in range(G):
+            while nxt[g] < len(order.steps[g]):
+                s = order.steps[g][nxt[g]]
+                items = [i for i in (s.fwd, s.bwd) if i]
+                need = [d for i in items for d in deps(g, i)]
+                if any(d not in end for d in need):
+                    break
+                t = max([free[g]] + [end[d] + (p2p_s if d[0] != g else 0.0) for d in need])
+                dur = pair_cost(s.fwd, s.bwd) if s.fwd and s.bwd else item_cost(items[0])
+                timed.steps[g].append(Step(s.fwd, s.bwd, t, t + dur))
+                for i in items:
+                    end[(g, i)] = t + dur
+                free[g] = t + dur
+                nxt[g] += 1
+                remaining -= 1
+                moved = True
+        if not moved:
+            stuck = {g: order.steps[g][nxt[g]] for g in range(G) if nxt[g] < len(order.steps[g])}
+            raise RuntimeError(f"the pipeline order deadlocks: stages wait on each other "
+                               f"at {stuck}")
+    return timed
+
+
+def greedy_order(stages: int, microbatches: int, depth: Optional[int] = None,
+                 f: float = 1.0, b: float = 2.0) -> FoldedOrder:
+    """A play with unit costs and greedy choices: the oldest ready backward first, then
+    the forward that moves its micro-batch furthest, at most `depth` (default G)
+    micro-batches in flight per stage."""
+    G, N = stages, microbatches
+    depth = depth or G
+    done: Dict[Tuple[int, Item], float] = {}      # (stage, item) -> end time
+    free = [0.0] * G
+    started_f0 = [0] * G                          # next micro-batch to start F0 on a stage
+    in_flight = [set() for _ in range(G)]
+    todo = [{("F", c, m) for c in (0, 1) for m in range(N)} |
+            {("B", c, m) for c in (0, 1) for m in range(N)} for _ in range(G)]
+    order = FoldedOrder(G, N, [[] for _ in range(G)])
+
+    deps = fold_deps(G)
 
     def ready(g, it, t) -> bool:
         return all(d in done and done[d] <= t for d in deps(g, it))
@@ -162,3 +246,16 @@ def draw(order: FoldedOrder, path: str, f: float = 1.0, b: float = 2.0) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":       # the README's picture: python -m dhelix.folding.order
+    import argparse
+    p = argparse.ArgumentParser(description="draw the folded order with unit costs")
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--png", default="docs/fold.png")
+    a = p.parse_args()
+    o = folded_order(a.stages, a.microbatches)
+    draw(o, a.png)
+    print(f"{a.png}: {a.stages} stages, {a.microbatches} micro-batches, bubble "
+          f"{o.bubble() * 100:.1f}% with unit costs (F 1, B 2, a pair 3)")

@@ -95,7 +95,74 @@ def cmd_simulate(a, argv) -> int:
     except OSError as e:
         return _fail("simulate", CliError(f"cannot write output: {e}"))
     print(f"wrote {png} (timeline) and {trace} (Chrome trace: chrome://tracing or Perfetto)")
+    if a.pipeline_model_parallel_size and a.pipeline_model_parallel_size > 1:
+        return _simulate_pipeline(a, layer, plan, costs, shape, cluster, force)
     return 0
+
+
+def _simulate_pipeline(a, layer, plan, costs, shape, cluster, force) -> int:
+    """The whole pipeline step: megatron 1F1B (and interleaved) vs the DHelix fold."""
+    from dhelix.folding.simulate import (LayerCosts, PipelineError, draw_pipelines,
+                                         pipeline_trace, simulate_pipeline)
+    G, N = a.pipeline_model_parallel_size, a.num_microbatches or 2 * a.pipeline_model_parallel_size
+    try:
+        if not shape:
+            raise CliError("--pipeline-model-parallel-size needs the model's layer count: "
+                           "give the shape flags (--config, ...)")
+        from dhelix.models.config import load_model_config
+        m = load_model_config(shape["config"])
+        L = a.num_layers or m.num_layers
+        p2p, p2p_from = _p2p_seconds(a, shape, m, cluster)
+        lc = LayerCosts.from_plan(layer, plan, costs, force=force)
+        res = simulate_pipeline(lc, L, G, N, p2p, vpp_layers=a.num_layers_per_virtual_pipeline_stage)
+    except _expected_errors() + (PipelineError,) as e:
+        return _fail("simulate", e)
+    print()
+    print(f"pipeline: {L} layers on {G} stages, {N} micro-batches; P2P message "
+          f"{fmt_time(p2p)} ({p2p_from})")
+    print(f"per layer: forward {fmt_time(lc.f)}, backward {fmt_time(lc.b)}, plan step "
+          f"(forward beside backward) {fmt_time(lc.pair)} vs {fmt_time(lc.f + lc.b)} apart")
+    base = res["megatron-1f1b"]
+    print(f"{'schedule':22s} {'step':>11s} {'vs 1F1B':>8s} {'bubble':>7s}  peak activations "
+          f"per stage")
+    for name, r in res.items():
+        print(f"{name:22s} {fmt_time(r.makespan):>11s} {base.makespan / r.makespan:7.3f}x "
+              f"{r.bubble * 100:6.1f}%  " + ", ".join(fmt_bytes(b) for b in r.peak_bytes))
+    fold = res["dhelix-fold"]
+    print(f"fold peak / 1F1B peak (the most on any stage): "
+          f"{max(fold.peak_bytes) / max(base.peak_bytes):.2f}x")
+    png = a.pipeline_png or _default_beside(a.plan, ".pipeline.png")
+    trace = os.path.splitext(png)[0] + ".trace.json"
+    try:
+        draw_pipelines(res, png, title=f"{os.path.basename(a.plan)}: {L} layers, PP={G}, "
+                                       f"{N} micro-batches")
+        with open(trace, "w") as f:
+            json.dump(pipeline_trace(res), f)
+    except OSError as e:
+        return _fail("simulate", CliError(f"cannot write output: {e}"))
+    print(f"wrote {png} (stage × time per schedule) and {trace} (Chrome trace)")
+    return 0
+
+
+def _p2p_seconds(a, shape, m, cluster):
+    """One activation (or its grad) between stages: bytes over the pipeline lane."""
+    tp = int(shape.get("tp", 1))
+    seq = int(shape["seq"]) // (tp if shape.get("sp") else 1)
+    nbytes = seq * int(shape["mbs"]) * m.hidden_size * (2 if shape.get("bf16") else 4)
+    if a.p2p_gbps is not None:
+        if a.p2p_gbps <= 0:
+            raise CliError(f"--p2p-GBps {a.p2p_gbps}: give a positive bandwidth")
+        return nbytes / (a.p2p_gbps * 1e9), f"{nbytes / 2**20:.2f} MiB at {a.p2p_gbps} GB/s"
+    if not cluster:
+        return 0.0, "not modelled: costs from a table; give --p2p-GBps"
+    from dhelix.planner.cli import resolve_cluster
+    from dhelix.planner.costmodel import load_cluster
+    c = load_cluster(resolve_cluster(cluster))
+    lane = c[f"{a.pipeline_lane}_node"]
+    bw = float(lane["bandwidth_GBps"]) * 1e9 * float(lane.get("efficiency", 1.0))
+    lat = float(lane.get("latency_us", 0.0)) * 1e-6
+    return nbytes / bw + lat, (f"{nbytes / 2**20:.2f} MiB over the cluster's "
+                               f"{a.pipeline_lane}-node link")
 
 
 def add_parser(sub) -> None:
@@ -112,4 +179,22 @@ def add_parser(sub) -> None:
                    help="timeline chart (default: PLAN with .png)")
     s.add_argument("--trace", default=None, metavar="PATH",
                    help="Chrome trace JSON (default: PLAN with .trace.json)")
+    g = s.add_argument_group("pipeline (the whole step: megatron 1F1B / interleaved vs the "
+                             "DHelix fold)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None, metavar="G",
+                   help="simulate a pipeline of G stages (G >= 2)")
+    g.add_argument("--num-microbatches", type=int, default=None, metavar="N",
+                   help="micro-batches per step (default 2G)")
+    g.add_argument("--num-layers", type=int, default=None, metavar="L",
+                   help="layers of the model (default: the config's)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   metavar="V", help="also megatron's interleaved schedule, V layers per chunk")
+    g.add_argument("--pipeline-lane", choices=("intra", "inter"), default="inter",
+                   help="where neighbouring stages are: other nodes (inter, default) or "
+                        "the same node")
+    g.add_argument("--p2p-GBps", dest="p2p_gbps", type=float, default=None, metavar="BW",
+                   help="P2P bandwidth in GB/s (default: the cluster file's lane)")
+    g.add_argument("--pipeline-png", default=None, metavar="PATH",
+                   help="stage × time chart (default: PLAN with .pipeline.png; a Chrome "
+                        "trace beside it)")
     s.set_defaults(func=cmd_simulate)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -318,12 +319,12 @@ def train(cfg: TrainConfig) -> dict:
               f"microbatches={layout.num_microbatches} seq={cfg.seq_length} "
               f"{'bf16' if cfg.bf16 else 'fp32'} schedule={schedule.name} "
               f"backend={info.backend}", flush=True)
-    losses, times, grad_sums = [], [], []
+    losses, times, grad_sums, idle = [], [], [], []
     METER.reset_peak()
     from dhelix.train.dist import report_progress
     for it in range(cfg.train_iters):
         report_progress(it + 1)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for c in chunks:
             c.zero_grad_buffer()
         with METER.autograd():
@@ -336,6 +337,9 @@ def train(cfg: TrainConfig) -> dict:
         optimizer.step()
         loss = _average_loss([o["lm loss"].item() for o in out], info.device, loss_rank)
         dt = time.perf_counter() - t0
+        # this thread's CPU time is the stage's work (one intra-op thread; comm runs in
+        # gloo's and the link's threads): the rest of the step the stage waited
+        idle.append(max(0.0, 1.0 - (time.thread_time() - c0) / dt))
         losses.append(loss)
         times.append(dt)
         if not math.isfinite(loss):
@@ -371,6 +375,9 @@ def train(cfg: TrainConfig) -> dict:
     steady = (times[1:] if len(times) > 1 else times) or [float("nan")]
     mem = peak_memory_bytes(info.device)
     per_stage = _per_stage(mem["activations"], info.device) if layout.pp > 1 else None
+    steady_idle = statistics.median(idle[1:] if len(idle) > 1 else idle) if idle else None
+    idle_per_stage = (_per_stage(steady_idle, info.device, torch.float64)
+                      if layout.pp > 1 and idle else None)
     result = {
         "config": {**asdict(cfg), "model": asdict(m), "world_size": layout.world,
                    "data_parallel_size": layout.dp, "num_microbatches": layout.num_microbatches,
@@ -382,6 +389,8 @@ def train(cfg: TrainConfig) -> dict:
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
         "peak_memory_bytes": mem["activations"],
         "peak_memory_bytes_per_stage": per_stage,
+        "idle_share": steady_idle,
+        "idle_share_per_stage": idle_per_stage,
         "peak_rss_bytes": mem["process_rss"],
         "memory_method": mem["method"],
     }
@@ -399,14 +408,14 @@ def train(cfg: TrainConfig) -> dict:
     return result
 
 
-def _per_stage(value: int, device) -> List[int]:
+def _per_stage(value, device, dtype=torch.int64) -> list:
     """Each pipeline stage's value (this DP/TP position), gathered over the pipeline."""
     from megatron.core import parallel_state
     g = parallel_state.get_pipeline_model_parallel_group()
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+    t = torch.tensor([value], dtype=dtype, device=device)
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size(g))]
     dist.all_gather(out, t, group=g)
-    return [int(x.item()) for x in out]
+    return [x.item() for x in out]
 
 
 def _to_device(it, device):
