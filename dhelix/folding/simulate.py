@@ -185,8 +185,18 @@ def simulate_pipeline(costs: LayerCosts, num_layers: int, stages: int, microbatc
     return out
 
 
-def p2p_seconds(bytes_: float, bandwidth_Bps: float, latency_s: float) -> float:
-    return bytes_ / bandwidth_Bps + latency_s
+def activation_bytes(shape: dict, hidden_size: int) -> float:
+    """One micro-batch's activation between stages (a shape dict of `dhelix plan`)."""
+    tp = int(shape.get("tp", 1))
+    seq = int(shape["seq"]) // (tp if shape.get("sp") else 1)
+    return float(seq * int(shape["mbs"]) * hidden_size * (2 if shape.get("bf16") else 4))
+
+
+def cluster_p2p_seconds(nbytes: float, cluster: dict, lane: str = "inter") -> float:
+    """A P2P message over a cluster file's `intra_node` or `inter_node` link."""
+    ln = cluster[f"{lane}_node"]
+    bw = float(ln["bandwidth_GBps"]) * 1e9 * float(ln.get("efficiency", 1.0))
+    return nbytes / bw + float(ln.get("latency_us", 0.0)) * 1e-6
 
 
 def pipeline_trace(results: Dict[str, PipelineResult]) -> dict:

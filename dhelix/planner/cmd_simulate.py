@@ -146,9 +146,8 @@ def _simulate_pipeline(a, layer, plan, costs, shape, cluster, force) -> int:
 
 def _p2p_seconds(a, shape, m, cluster):
     """One activation (or its grad) between stages: bytes over the pipeline lane."""
-    tp = int(shape.get("tp", 1))
-    seq = int(shape["seq"]) // (tp if shape.get("sp") else 1)
-    nbytes = seq * int(shape["mbs"]) * m.hidden_size * (2 if shape.get("bf16") else 4)
+    from dhelix.folding.simulate import activation_bytes, cluster_p2p_seconds
+    nbytes = activation_bytes(shape, m.hidden_size)
     if a.p2p_gbps is not None:
         if a.p2p_gbps <= 0:
             raise CliError(f"--p2p-GBps {a.p2p_gbps}: give a positive bandwidth")
@@ -158,11 +157,8 @@ def _p2p_seconds(a, shape, m, cluster):
     from dhelix.planner.cli import resolve_cluster
     from dhelix.planner.costmodel import load_cluster
     c = load_cluster(resolve_cluster(cluster))
-    lane = c[f"{a.pipeline_lane}_node"]
-    bw = float(lane["bandwidth_GBps"]) * 1e9 * float(lane.get("efficiency", 1.0))
-    lat = float(lane.get("latency_us", 0.0)) * 1e-6
-    return nbytes / bw + lat, (f"{nbytes / 2**20:.2f} MiB over the cluster's "
-                               f"{a.pipeline_lane}-node link")
+    return cluster_p2p_seconds(nbytes, c, a.pipeline_lane), (
+        f"{nbytes / 2**20:.2f} MiB over the cluster's {a.pipeline_lane}-node link")
 
 
 def add_parser(sub) -> None:

@@ -19,8 +19,10 @@ from dhelix.planner.cli import (DEFAULT_CLUSTERS, CliError, _add_planner_args, _
 
 def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, mbs: int,
           bf16: bool, lane: str = "intra", memory_budget: Optional[float] = None,
-          backend: str = "auto", progress: bool = True) -> List[Dict]:
-    """One row per (config, cluster): predicted and trivial step time, speedup, or error."""
+          backend: str = "auto", progress: bool = True, pp: int = 1,
+          microbatches: Optional[int] = None) -> List[Dict]:
+    """One row per (config, cluster): predicted and trivial step time, speedup, or error;
+    with pp > 1 also the whole pipeline step of megatron 1F1B and the DHelix fold."""
     from tqdm import tqdm
     rows = []
     combos = [(c, k) for c in configs for k in clusters]
@@ -45,6 +47,8 @@ def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, 
                        paired=p.num_paired(), peak_bytes=m.get("predicted_peak_bytes"),
                        planning_time_s=m["planning_time_s"], backend=m["backend"],
                        cost_source=src)
+            if pp > 1:
+                row.update(_pipeline(layer, p, costs, shape, clu, pp, microbatches or 2 * pp))
         except errors as e:
             row["error"] = " ".join(str(_readable_budget_error(e)).split())
         rows.append(row)
@@ -52,18 +56,43 @@ def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, 
     return rows
 
 
+def _pipeline(layer, plan, costs, shape, cluster, pp, microbatches) -> Dict:
+    """The whole pipeline step on the pipeline simulator (P2P over the inter-node link)."""
+    from dhelix.folding.simulate import (LayerCosts, activation_bytes, cluster_p2p_seconds,
+                                         simulate_pipeline)
+    from dhelix.models.config import load_model_config
+    from dhelix.planner.costmodel import load_cluster
+    m = load_model_config(shape["config"])
+    p2p = cluster_p2p_seconds(activation_bytes(shape, m.hidden_size),
+                              load_cluster(resolve_cluster(cluster)), "inter")
+    res = simulate_pipeline(LayerCosts.from_plan(layer, plan, costs), m.num_layers, pp,
+                            microbatches, p2p)
+    base, fold = res["megatron-1f1b"], res["dhelix-fold"]
+    return {"pipeline": {k: r.to_json() for k, r in res.items()},
+            "pp_1f1b_step_s": base.makespan, "pp_fold_step_s": fold.makespan,
+            "pp_speedup": base.makespan / fold.makespan,
+            "pp_peak_vs_1f1b": max(fold.peak_bytes) / max(base.peak_bytes)}
+
+
 def sweep_markdown(rows: List[Dict]) -> str:
+    pp = any("pp_speedup" in r for r in rows)
     head = ["config", "cluster", "plan step", "trivial step", "speedup", "steps (paired)",
             "peak mem", "planning"]
+    if pp:
+        head += ["1F1B step", "fold step", "fold vs 1F1B", "fold peak vs 1F1B"]
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["config"], r["cluster"], "error: " + r["error"], "", "", "", "", ""])
+            body.append([r["config"], r["cluster"], "error: " + r["error"]] +
+                        [""] * (len(head) - 3))
             continue
         body.append([r["config"], r["cluster"], fmt_time(r["predicted_s"]),
                      fmt_time(r["trivial_predicted_s"]), f"{r['speedup']:.3f}x",
                      f"{r['steps']} ({r['paired']})", fmt_bytes(r["peak_bytes"]),
                      f"{r['planning_time_s'] * 1e3:.1f} ms ({r['backend']})"])
+        if pp:
+            body[-1] += [fmt_time(r["pp_1f1b_step_s"]), fmt_time(r["pp_fold_step_s"]),
+                         f"{r['pp_speedup']:.3f}x", f"{r['pp_peak_vs_1f1b']:.2f}x"]
     w = [max(len(x[i]) for x in body + [head]) for i in range(len(head))]
     lines = ["| " + " | ".join(h.ljust(w[i]) for i, h in enumerate(head)) + " |",
              "|" + "|".join("-" * (w[i] + 2) for i in range(len(head))) + "|"]
@@ -113,19 +142,29 @@ def cmd_plan_sweep(a, argv) -> int:
             resolve_cluster(clu)
         for flag, v in (("--tensor-model-parallel-size", a.tensor_model_parallel_size),
                         ("--seq-length", a.seq_length), ("--micro-batch-size",
-                                                         a.micro_batch_size)):
+                                                         a.micro_batch_size),
+                        ("--pipeline-model-parallel-size", a.pipeline_model_parallel_size),
+                        ("--data-parallel-size", a.data_parallel_size)):
             if v <= 0:
                 raise CliError(f"{flag} must be a positive integer, got {v}")
         budget = None if a.memory_budget is None else parse_bytes(a.memory_budget)
     except _expected_errors() as e:
         return _fail("plan-sweep", e)
     tp, sp = a.tensor_model_parallel_size, a.sequence_parallel
+    pp, dp_size = a.pipeline_model_parallel_size, a.data_parallel_size
+    nmb = a.num_microbatches or 2 * pp
     rows = sweep(configs, clusters, tp, sp, a.seq_length, a.micro_batch_size, a.bf16,
-                 a.lane, budget, a.backend, progress=not a.no_progress)
+                 a.lane, budget, a.backend, progress=not a.no_progress, pp=pp,
+                 microbatches=nmb)
     setting = (f"TP={tp}{', SP' if sp and tp > 1 else ''}, seq {a.seq_length}, "
                f"mbs {a.micro_batch_size}, {_dtype(a.bf16)}, lane {a.lane}")
+    if pp > 1 or dp_size > 1:
+        setting += (f"; DP={dp_size} × TP={tp} × PP={pp} = {dp_size * tp * pp} GPUs, "
+                    f"{nmb} micro-batches per step")
     print(f"dhelix plan-sweep: {len(configs)} configs x {len(clusters)} clusters at {setting}; "
-          f"analytical costs; predicted layer-step time (one α forward + one β backward)")
+          f"analytical costs; predicted layer-step time (one α forward + one β backward)" +
+          ("; pipeline step: megatron 1F1B vs the DHelix fold (P2P over the inter-node "
+           "link; DP's gradient reduction, the same for both, not counted)" if pp > 1 else ""))
     print()
     print(sweep_markdown(rows))
     ok = [r for r in rows if "error" not in r]
@@ -139,6 +178,7 @@ def cmd_plan_sweep(a, argv) -> int:
             json.dump({"format": "dhelix.plan-sweep", "setting": {
                 "tp": tp, "sp": sp and tp > 1, "seq": a.seq_length, "mbs": a.micro_batch_size,
                 "bf16": a.bf16, "lane": a.lane, "memory_budget_bytes": budget,
+                "pp": pp, "dp": dp_size, "num_microbatches": nmb,
                 "backend": a.backend}, "rows": rows}, f, indent=1)
         sweep_chart(rows, a.png, f"DHelix planner, predicted speedup vs trivial plan ({setting})")
     except OSError as e:
@@ -174,6 +214,13 @@ def add_parser(sub) -> None:
     w.add_argument("--lane", choices=("intra", "inter"), default="intra",
                    help="where the TP group lives: inside a node (intra, default) or across "
                         "nodes (inter)")
+    w.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="G",
+                   help="G > 1: also the whole pipeline step, megatron 1F1B vs the DHelix "
+                        "fold (default 1)")
+    w.add_argument("--data-parallel-size", type=int, default=1, metavar="D",
+                   help="DP size of the layout (reported; default 1)")
+    w.add_argument("--num-microbatches", type=int, default=None, metavar="N",
+                   help="micro-batches per step for the pipeline (default 2G)")
     _add_planner_args(w)
     w.add_argument("--json", default="plan-sweep.json", metavar="PATH",
                    help="results JSON (default plan-sweep.json)")
