@@ -85,6 +85,10 @@ def run_here(cmd: str, body) -> int:
     from dhelix.train.dist import report_error
     try:
         body()
+        if dist.is_initialized():
+            # every rank done before any tears down: a rank still holding an unfinished
+            # send (megatron's last P2P isend) would otherwise abort in gloo at exit
+            dist.barrier()
     except ValueError as e:
         msg = f"dhelix {cmd}: error: {e}"
         if not report_error(msg):     # under --nproc the launcher prints it once
