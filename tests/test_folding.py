@@ -1,5 +1,7 @@
 """The U-folded pipeline: placement, order, training like megatron's 1F1B, checkpoints
 across layouts, refusals, a dead stage."""
+import os
+
 import pytest
 
 from dhelix.folding.order import folded_order
@@ -222,3 +224,32 @@ def test_simulate_and_plan_sweep_cli_report_the_pipeline(tmp_path):
     assert "DP=4 × TP=8 × PP=2 = 64 GPUs" in s.stdout and "fold vs 1F1B" in s.stdout
     row = json.load(open(tmp_path / "plan-sweep.json"))["rows"][0]
     assert row["pp_speedup"] > 1.0 and row["pp_peak_vs_1f1b"] <= 1.1
+
+
+def test_bench_pipeline_rows(tmp_path):
+    """`dhelix bench --pipeline-model-parallel-size 2`: the three schedules trained from
+    one checkpoint on the same data (the same losses), per-stage memory and idle share
+    measured, the simulator's prediction beside them."""
+    import json
+    import subprocess
+    import sys
+    out = str(tmp_path / "b")
+    r = subprocess.run([sys.executable, "-m", "dhelix.cli", "bench", "--configs", "tiny4",
+                        "--links", "none", "--nproc", "2", "--tensor-model-parallel-size", "1",
+                        "--pipeline-model-parallel-size", "2", "--seq-length", "32",
+                        "--micro-batch-size", "1", "--num-microbatches", "4",
+                        "--train-iters", "2", "--profile-repeats", "1", "--out", out],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.load(open(out + ".json"))["rows"]
+    assert [x["method"] for x in rows] == ["megatron-1f1b", "megatron-interleaved",
+                                           "dhelix-fold"]
+    for x in rows:
+        assert len(x["peak_activation_bytes_per_stage"]) == 2
+        assert all(0.0 <= v < 1.0 for v in x["idle_share_per_stage"])
+        assert x["sim_step_s"] > 0 and 0.0 <= x["sim_bubble"] < 1.0
+        assert abs(x["final_loss"] - rows[0]["final_loss"]) <= 1e-5 * abs(x["final_loss"])
+    assert rows[0]["speedup"] == 1.0 and rows[0]["sim_speedup"] == 1.0
+    md = open(out + ".md").read()
+    assert "| tiny4 | none | dhelix-fold |" in md
+    assert os.path.getsize(out + ".png") > 1000

@@ -136,7 +136,10 @@ def _argv(a, cfg, out_json, method, cluster, trace):
         argv += ["--dhelix"] + (["--dhelix-overlap-table", cluster]
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
     if pp > 1:
-        argv += ["--pipeline-model-parallel-size", str(pp)]
+        # every schedule starts from one PP=1 checkpoint: megatron would initialise each
+        # layout's stages from different seeds
+        argv += ["--pipeline-model-parallel-size", str(pp), "--load",
+                 os.path.join(os.path.dirname(out_json), f"init-{cfg}")]
         if method == "dhelix-fold":
             argv += ["--dhelix-fold"]
         elif method == "megatron-interleaved":
@@ -199,7 +202,17 @@ def run(a, argv) -> int:
             link = lk.text
             with launch(lk) as (prefix, env):
                 for cfg in configs:
-                    if a.planner_source == "table":
+                    if a.pipeline_model_parallel_size > 1 and \
+                            not os.path.isdir(os.path.join(work, f"init-{cfg}")):
+                        init = _argv(a, cfg, os.path.join(work, "init.json"), "megatron",
+                                     "", "")
+                        init = init[:init.index("--train-iters")] + [
+                            "--train-iters", "0", "--save", os.path.join(work, f"init-{cfg}")]
+                        rc = spawn_local(a.tensor_model_parallel_size, init, prefix=prefix,
+                                         extra_env=env, timeout_s=600, log=log)
+                        if rc != 0:
+                            raise RuntimeError(f"{cfg}: the initial checkpoint failed (exit "
+                                               f"{rc}); see {log}")
                         cluster = os.path.join(work, f"table-{cfg}-{link}.json")
                         bar.set_postfix_str(f"{cfg} {link} profile")
                         # the layer's TP group alone: the table is per layer
