@@ -173,9 +173,13 @@ def rewrite(json_path: str, out: str) -> None:
     """Write the .md and .png of a finished bench again from its .json."""
     with open(json_path) as f:
         rows = json.load(f)["rows"]
+    pp = rows[0]["method"] in PP_METHODS
     with open(out + ".md", "w") as f:
-        f.write(markdown(rows) + "\n")
-    plot(rows, out + ".png")
+        f.write((pp_markdown(rows) if pp else markdown(rows)) + "\n")
+    if pp:
+        plot(rows, out + ".png", PP_METHODS, "megatron 1F1B")
+    else:
+        plot(rows, out + ".png")
 
 
 def run(a, argv) -> int:
@@ -265,7 +269,10 @@ def run(a, argv) -> int:
     with open(a.out + ".json", "w") as f:
         json.dump({"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows},
                   f, indent=1)
-    (pp_plot if a.pipeline_model_parallel_size > 1 else plot)(rows, a.out + ".png")
+    if a.pipeline_model_parallel_size > 1:
+        plot(rows, a.out + ".png", PP_METHODS, "megatron 1F1B")
+    else:
+        plot(rows, a.out + ".png")
     print(f"dhelix bench: wrote {a.out}.md, {a.out}.json, {a.out}.png (runs under {work})")
     return 0
 
@@ -359,34 +366,6 @@ def pp_markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def pp_plot(rows, path):
-    """Speedup over 1F1B per link, measured (solid) and simulated (dashed)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    configs = sorted({r["config"] for r in rows})
-    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
-    for ax, cfg in zip(axes[0], configs):
-        links = list(dict.fromkeys(r["link"] for r in rows if r["config"] == cfg))
-        xs = list(range(len(links)))
-        for k, m in enumerate(PP_METHODS):
-            sel = [next(r for r in rows if r["config"] == cfg and r["link"] == l and
-                        r["method"] == m) for l in links]
-            ax.plot(xs, [r["speedup"] for r in sel], marker="o", color=f"C{k}", label=m)
-            ax.plot(xs, [r["sim_speedup"] or float("nan") for r in sel], linestyle="--",
-                    color=f"C{k}", label=f"{m} (simulated)")
-        ax.axhline(1.0, color="gray", linewidth=0.8)
-        ax.set_xticks(xs)
-        ax.set_xticklabels(links)
-        ax.set_xlabel("link rate")
-        ax.set_ylabel("speedup over megatron 1F1B")
-        ax.set_title(cfg)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def markdown(rows) -> str:
     lines = ["| model | link | method | tokens/s | speedup | step ms | lower bound ms | "
              "compute / comm ms (comm/compute) | exposed comm hidden | peak act. vs base |",
@@ -401,7 +380,8 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path):
+def plot(rows, path, methods=METHODS, baseline="megatron-core"):
+    """Speedup per link, one panel per model; simulated speedups (pipeline rows) dashed."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -409,19 +389,22 @@ def plot(rows, path):
     configs = sorted({r["config"] for r in rows})
     fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
     for ax, cfg in zip(axes[0], configs):
-        links = [l for l in dict.fromkeys(r["link"] for r in rows if r["config"] == cfg)]
+        links = list(dict.fromkeys(r["link"] for r in rows if r["config"] == cfg))
         xs = list(range(len(links)))
-        for m in METHODS:
-            ys = [next(r["speedup"] for r in rows if r["config"] == cfg and
-                       r["link"] == l and r["method"] == m) for l in links]
-            ax.plot(xs, ys, marker="o", label=m)
+        for k, m in enumerate(methods):
+            sel = [next(r for r in rows if r["config"] == cfg and r["link"] == l and
+                        r["method"] == m) for l in links]
+            ax.plot(xs, [r["speedup"] for r in sel], marker="o", color=f"C{k}", label=m)
+            if any(r.get("sim_speedup") for r in sel):
+                ax.plot(xs, [r.get("sim_speedup") or float("nan") for r in sel],
+                        linestyle="--", color=f"C{k}", label=f"{m} (simulated)")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xticks(xs)
         ax.set_xticklabels(links)
         ax.set_xlabel("link rate")
-        ax.set_ylabel("speedup over megatron-core")
+        ax.set_ylabel(f"speedup over {baseline}")
         ax.set_title(cfg)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

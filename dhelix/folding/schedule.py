@@ -123,24 +123,42 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
     plans = schedule.plan_book(seq_length, micro_batch_size)
     order = schedule.order(G, N)
     records: Dict[Tuple[int, int], Microbatch] = {}
-    turn_act: Dict[int, torch.Tensor] = {}        # stage G-1: front output -> back input
-    turn_grad: Dict[int, torch.Tensor] = {}       # stage G-1: back input grad -> front
+    # stage G-1 turns a micro-batch around: front output -> back input (ACT), back input
+    # grad -> front output grad (GRAD), without P2P
+    turn: Dict[int, Dict[int, torch.Tensor]] = {ACT: {}, GRAD: {}}
     my_steps = order.steps[g]
+
+    def down(kind, c):
+        """F0 and B1 travel to higher stages, F1 and B0 back up."""
+        return (kind == ACT) == (c == 0)
+
+    def post(kind, c, m):
+        if down(kind, c) and g > 0:
+            pipe.post_recv(g - 1, m, c, kind)
+        elif not down(kind, c) and g < G - 1:
+            pipe.post_recv(g + 1, m, c, kind)
+
+    def receive(kind, c, m):
+        """An item's input; None on stage 0 for F0 (the data) and B1 (the loss)."""
+        if down(kind, c):
+            return None if g == 0 else pipe.take(m, c, kind)
+        return turn[kind].pop(m) if g == G - 1 else pipe.take(m, c, kind)
+
+    def deliver(t, kind, c, m):
+        if down(kind, c):
+            if g == G - 1:
+                turn[kind][m] = t.detach()
+            else:
+                pipe.send(t, g + 1, m, c, kind)
+        elif g > 0:                                   # stage 0: the loss / the embedding
+            pipe.send(t, g - 1, m, c, kind)
 
     def post_inputs(step):
         """Post the receives a step needs (ahead of time)."""
         if step.fwd:
-            _, c, m = step.fwd
-            if c == 0 and g > 0:
-                pipe.post_recv(g - 1, m, 0, ACT)
-            elif c == 1 and g < G - 1:
-                pipe.post_recv(g + 1, m, 1, ACT)
+            post(ACT, step.fwd[1], step.fwd[2])
         if step.bwd:
-            _, c, m = step.bwd
-            if c == 1 and g > 0:
-                pipe.post_recv(g - 1, m, 1, GRAD)
-            elif c == 0 and g < G - 1:
-                pipe.post_recv(g + 1, m, 0, GRAD)
+            post(GRAD, step.bwd[1], step.bwd[2])
 
     no_sync = config.no_sync_func or contextlib.nullcontext
     with no_sync():      # grads are reduced once, by finalize, after the last step
@@ -150,18 +168,12 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
             walk = None
             if step.bwd:
                 _, cb, mb = step.bwd
-                if cb == 1:
-                    gout = None if g == 0 else pipe.take(mb, 1, GRAD)
-                else:
-                    gout = turn_grad.pop(mb) if g == G - 1 else pipe.take(mb, 0, GRAD)
-                walk = steps[cb].backward(records.pop((cb, mb)), grad_output=gout)
+                walk = steps[cb].backward(records.pop((cb, mb)),
+                                          grad_output=receive(GRAD, cb, mb))
             forward = None
             if step.fwd:
                 _, cf, mf = step.fwd
-                if cf == 0:
-                    x = None if g == 0 else pipe.take(mf, 0, ACT)
-                else:
-                    x = turn_act.pop(mf) if g == G - 1 else pipe.take(mf, 1, ACT)
+                x = receive(ACT, cf, mf)
                 if x is not None:
                     x = x.detach().requires_grad_()
                 forward = _forward(steps[cf], mf, batches[mf], x,
@@ -171,21 +183,9 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
             out = co_step(plans, tracer, forward, walk)
             if step.fwd:
                 records[(cf, mf)] = out
-                if cf == 0:
-                    if g == G - 1:
-                        turn_act[mf] = out.output.detach()
-                    else:
-                        pipe.send(out.output, g + 1, mf, 0, ACT)
-                elif g > 0:
-                    pipe.send(out.output, g - 1, mf, 1, ACT)
+                deliver(out.output, ACT, cf, mf)      # stage 0's F1 output: the loss, kept
             if walk is not None:
-                if cb == 1:
-                    if g == G - 1:
-                        turn_grad[mb] = walk.input_grad
-                    else:
-                        pipe.send(walk.input_grad, g + 1, mb, 1, GRAD)
-                elif g > 0:
-                    pipe.send(walk.input_grad, g - 1, mb, 0, GRAD)
+                deliver(walk.input_grad, GRAD, cb, mb)
         pipe.drain()
     tokens = steps[0].tokens + steps[1].tokens
     if config.finalize_model_grads_func is not None:
