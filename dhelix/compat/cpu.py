@@ -3,6 +3,8 @@
 Applied only when CUDA is absent, by `apply()`; nothing else in DHelix patches megatron.
   (c) megatron allocates gather / all-to-all / grad buffers on `torch.cuda.current_device()`:
       inside those modules only, `torch.cuda.current_device()` answers "cpu".
+  (f) the MoE all-to-all dispatcher's side stream (see `_NoStream`).
+  (g) the MoE router's GEMM without Transformer Engine (`_moe_router_without_te`).
   (d) the model-parallel RNG tracker keeps CUDA generator states: a tracker with the same
       interface keeps CPU generator states instead, seeded by
       `model_parallel_cuda_manual_seed` as usual.
@@ -27,7 +29,32 @@ _BUFFER_MODULES = (
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.transformer.utils",          # the local attention's causal mask
+    "megatron.core.transformer.moe.token_dispatcher",   # (f) its side stream, below
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
 )
+
+
+class _NoStream:
+    """(f) The MoE all-to-all dispatcher copies routing counts to the host on a side CUDA
+    stream; on CPU there is one stream: this one, which synchronises trivially."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self):
+        return self                 # an event that is always complete: synchronize() no-op
+
+    def __eq__(self, other):
+        return isinstance(other, _NoStream)
+
+    __hash__ = object.__hash__
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 
@@ -45,6 +72,16 @@ class _CpuCuda(types.SimpleNamespace):
     @staticmethod
     def is_available():
         return False
+
+    Stream = _NoStream
+
+    @staticmethod
+    def current_stream(*a, **k):
+        return _NoStream()
+
+    @staticmethod
+    def stream(s):
+        return contextlib.nullcontext()
 
 
 class _TorchView(types.ModuleType):
@@ -114,6 +151,24 @@ def _cpu_embedding_sync() -> None:
     LanguageModule.setup_embeddings_and_output_layer = setup
 
 
+def _moe_router_without_te() -> None:
+    """(g) megatron-core 0.16.1's router GEMM reads `te_general_gemm`, a name bound only
+    when Transformer Engine imports; without TE it is a NameError. None is what the
+    function's own fallback test expects."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # (f) the all-to-all split sizes become host numbers when copied from the GPU; on CPU
+    # nothing is copied and they stayed tensors, which all_to_all_single refuses
+    orig = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_host(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
+    token_dispatcher.maybe_move_tensor_to_cpu = to_host
+
+
 def apply() -> bool:
     """Patch megatron for CPU if CUDA is absent. Returns True if patches are in place."""
     global _APPLIED
@@ -136,6 +191,7 @@ def apply() -> bool:
     # `initialize_rng_tracker(force_reset=True)` would build a CUDA tracker again
     mrandom.CudaRNGStatesTracker = tracker_cls
     _cpu_embedding_sync()
+    _moe_router_without_te()
     _APPLIED = True
     return True
 

@@ -31,8 +31,9 @@ class ModelConfig:
     position_embedding_type: str = "learned_absolute"   # or "rope"
     add_bias_linear: bool = True
     untie_embeddings_and_output_weights: bool = False
-    num_experts: Optional[int] = None              # MoE shapes (planning/simulation only)
+    num_experts: Optional[int] = None              # MoE: experts per MoE layer (every layer)
     moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 1e-2               # megatron's load-balancing loss weight
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
@@ -63,6 +64,12 @@ class ModelConfig:
                   "vocab_size"):
             if getattr(self, f) <= 0:
                 bad(f, "must be positive")
+        if self.num_experts is not None:
+            if self.num_experts < 1:
+                bad("num_experts", "must be positive")
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                bad("moe_router_topk", f"({self.moe_router_topk}) must be between 1 and "
+                    f"num_experts ({self.num_experts})")
 
 
 def find_named_yaml(name_or_path: str, folder: str, flag: str, what: str,

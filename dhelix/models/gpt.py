@@ -1,6 +1,8 @@
 """Build megatron-core's GPTModel from a ModelConfig and parallel settings."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
@@ -12,7 +14,8 @@ from dhelix.models.spec import block_spec
 
 
 def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
-                       bf16: bool = False, pp: int = 1) -> TransformerConfig:
+                       bf16: bool = False, pp: int = 1, ep: int = 1,
+                       etp: Optional[int] = None) -> TransformerConfig:
     """The megatron TransformerConfig for a model shape. Fusions that need CUDA kernels
     are off; the math is megatron's unfused path, which the DHelix layer mirrors."""
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -42,7 +45,19 @@ def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool =
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=True,
+        **(_moe(m, ep, etp or tp) if m.num_experts else {}),
     )
+
+
+def _moe(m: ModelConfig, ep: int, etp: int) -> dict:
+    """megatron's MoE settings: all-to-all dispatcher, no token dropping, the router's
+    load-balancing aux loss as megatron computes it."""
+    return dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                moe_token_dispatcher_type="alltoall",
+                moe_router_load_balancing_type="aux_loss",
+                moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_grouped_gemm=False,
+                moe_permute_fusion=False)
 
 
 def build_gpt(m: ModelConfig, config: TransformerConfig, layer_module=TransformerLayer,
@@ -50,7 +65,7 @@ def build_gpt(m: ModelConfig, config: TransformerConfig, layer_module=Transforme
     """megatron-core GPTModel with the CPU-safe spec; `layer_module` picks the layer."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(m.num_layers, layer_module),
+        transformer_layer_spec=block_spec(m.num_layers, layer_module, m.num_experts),
         vocab_size=m.vocab_size,
         max_sequence_length=max(seq_length, m.max_position_embeddings),
         pre_process=True,

@@ -113,9 +113,23 @@ class SDPAttention(MegatronModule):
         return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def layer_spec(layer_module=TransformerLayer) -> ModuleSpec:
+def moe_spec() -> ModuleSpec:
+    """megatron-core's local MoE block: top-k router, all-to-all token dispatcher (by the
+    config), `SequentialMLP` experts of megatron linears — as `get_gpt_layer_local_spec(
+    num_experts=...)` builds it without grouped GEMM."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
+            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))))
+
+
+def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None) -> ModuleSpec:
     """A GPT layer spec from megatron-core modules, CPU-safe; `layer_module` is
-    megatron's TransformerLayer or the DHelix layer (same submodules, same params)."""
+    megatron's TransformerLayer or the DHelix layer (same submodules, same params); with
+    `num_experts` the MLP is megatron's MoE block."""
+    mlp = moe_spec() if num_experts else ModuleSpec(module=MLP, submodules=MLPSubmodules(
+        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     return ModuleSpec(
         module=layer_module,
         submodules=TransformerLayerSubmodules(
@@ -133,14 +147,14 @@ def layer_spec(layer_module=TransformerLayer) -> ModuleSpec:
             ),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=Norm,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
-def block_spec(num_layers: int, layer_module=TransformerLayer) -> TransformerBlockSubmodules:
+def block_spec(num_layers: int, layer_module=TransformerLayer,
+               num_experts: Optional[int] = None) -> TransformerBlockSubmodules:
     """Block spec whose final norm is the sequence-parallel-capable `Norm` too."""
-    spec = layer_spec(layer_module)
+    spec = layer_spec(layer_module, num_experts)
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=Norm)

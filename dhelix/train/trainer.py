@@ -28,6 +28,10 @@ class TrainConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: Optional[int] = None   # megatron's interleaved
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None   # default: TP, as in megatron
+    num_experts: Optional[int] = None            # MoE: overrides the model config's
+    moe_router_topk: Optional[int] = None
     data_parallel_size: Optional[int] = None     # inferred from the world size if None
     sequence_parallel: bool = False
     micro_batch_size: int = 2
@@ -62,6 +66,20 @@ class Layout:
     pp: int = 1
     vpp: int = 1            # model chunks per stage (megatron's interleaved schedule)
     fold: bool = False      # DHelix's U-folded pipeline
+    ep: int = 1             # expert parallel: carved from the DP ranks, as in megatron
+    etp: int = 1            # expert tensor parallel
+
+
+def model_of(cfg: TrainConfig) -> ModelConfig:
+    """The model config, with the MoE flags (--num-experts, --moe-router-topk) applied."""
+    import dataclasses
+    m = load_model_config(cfg.config)
+    over = {k: v for k, v in (("num_experts", cfg.num_experts),
+                              ("moe_router_topk", cfg.moe_router_topk)) if v is not None}
+    if over:
+        m = dataclasses.replace(m, **over)
+        m.check(f"--config {cfg.config} with --num-experts/--moe-router-topk")
+    return m
 
 
 def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
@@ -128,11 +146,42 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
         raise ConfigError(f"--global-batch-size {gbs} is not divisible by "
                           f"--micro-batch-size × DP = {cfg.micro_batch_size}×{dp}")
     nmb = gbs // (cfg.micro_batch_size * dp)
+    ep = _check_experts(cfg, m, dp)
     if vpp > 1 and nmb % pp:
         raise ConfigError(f"megatron's interleaved schedule needs a multiple of "
                           f"--pipeline-model-parallel-size {pp} micro-batches per step, got "
                           f"{nmb}; change --global-batch-size")
-    return Layout(world, tp, dp, nmb, pp, vpp, fold_layers)
+    etp = cfg.expert_tensor_parallel_size or tp
+    if m.num_experts and etp not in (1, tp):
+        raise ConfigError(f"--expert-tensor-parallel-size {etp}: give 1 or the TP size {tp}")
+    return Layout(world, tp, dp, nmb, pp, vpp, fold_layers, ep, etp)
+
+
+def _check_experts(cfg: TrainConfig, m: ModelConfig, dp: int) -> int:
+    ep = cfg.expert_model_parallel_size
+    if ep < 1:
+        raise ConfigError(f"--expert-model-parallel-size {ep}: must be a positive integer")
+    if not m.num_experts:
+        if ep > 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep}: {m.name} has no experts; "
+                              f"give --num-experts E or a MoE config such as tiny-moe")
+        return 1
+    if dp % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data-parallel "
+                          f"size {dp} (megatron carves expert-parallel groups from the DP "
+                          f"ranks); launch TP×PP×{ep}·k ranks")
+    if m.num_experts % ep:
+        raise ConfigError(f"--num-experts {m.num_experts} is not divisible by "
+                          f"--expert-model-parallel-size {ep}")
+    if ep > 1 and (cfg.save or cfg.load):
+        raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: DHelix's "
+                          f"checkpoints name parameters globally and expert-parallel ranks "
+                          f"hold different experts under one local name; not written yet")
+    if cfg.dhelix.get("enabled") or cfg.dhelix.get("peer"):
+        raise ConfigError(f"--dhelix with a MoE model ({m.name}: {m.num_experts} experts): "
+                          f"the DHelix MoE layer, with the all-to-alls as planned ops, is not "
+                          f"built yet; train the MoE baseline without --dhelix")
+    return ep
 
 
 def check_positive(cfg: TrainConfig) -> None:
@@ -156,7 +205,7 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
     model config, the parallel layout, the data files, a plan file against the layer it
     will meet. Raises ValueError (ConfigError, PlanError) naming the flag or field and the
     fix; returns warnings."""
-    m = load_model_config(cfg.config)
+    m = model_of(cfg)
     layout = check_layout(cfg, m, world)
     if cfg.data_path:
         for ext in (".bin", ".idx"):
@@ -239,11 +288,14 @@ def setup_megatron(cfg: TrainConfig, m: ModelConfig, layout: Layout):
     if layout.fold:     # embedding and output layer both on stage 0: no embedding group
         kw["get_embedding_ranks"] = lambda pp_ranks: [pp_ranks[0]]
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
-                                             pipeline_model_parallel_size=layout.pp, **kw)
+                                             pipeline_model_parallel_size=layout.pp,
+                                             expert_model_parallel_size=layout.ep,
+                                             expert_tensor_parallel_size=layout.etp, **kw)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     tconfig = transformer_config(m, tp=layout.tp, sequence_parallel=cfg.sequence_parallel,
-                                 bf16=cfg.bf16, pp=layout.pp)
+                                 bf16=cfg.bf16, pp=layout.pp, ep=layout.ep,
+                                 etp=layout.etp)
     if layout.vpp > 1:
         tconfig.virtual_pipeline_model_parallel_size = layout.vpp
     tconfig.batch_p2p_comm = False          # gloo: plain isend/irecv, no coalescing
@@ -281,7 +333,7 @@ def train(cfg: TrainConfig) -> dict:
     from dhelix.train.dist import init_distributed
     from dhelix.base.memory import METER, peak_memory_bytes
 
-    m = load_model_config(cfg.config)
+    m = model_of(cfg)
     info = init_distributed()
     layout = check_layout(cfg, m, info.world_size)
     tconfig = setup_megatron(cfg, m, layout)
@@ -315,6 +367,7 @@ def train(cfg: TrainConfig) -> dict:
         print(f"dhelix train: {m.name} world={layout.world} TP={layout.tp} "
               f"{f'PP={layout.pp} ' if layout.pp > 1 else ''}"
               f"{f'VPP={layout.vpp} ' if layout.vpp > 1 else ''}DP={layout.dp} "
+              f"{f'EP={layout.ep} experts={m.num_experts} top-{m.moe_router_topk} ' if m.num_experts else ''}"
               f"SP={cfg.sequence_parallel} mbs={cfg.micro_batch_size} "
               f"microbatches={layout.num_microbatches} seq={cfg.seq_length} "
               f"{'bf16' if cfg.bf16 else 'fp32'} schedule={schedule.name} "
