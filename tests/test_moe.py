@@ -57,3 +57,51 @@ def test_moe_flags_and_refusals():
             cfg = TrainConfig(**kw)
             check_layout(cfg, model_of(cfg), 2)
     assert load_model_config("phi-3.5-moe").num_experts == 16
+
+
+def test_moe_chains_put_the_all_to_alls_on_the_ep_group():
+    from dhelix.planner.chains import layer_chains
+    f, b = layer_chains(2, True, "intra", moe=True, ep_lane="inter")
+    a2a = [o for o in f + b if o.collective == "all_to_all"]
+    assert [o.name for o in a2a] == ["a2a_dispatch", "a2a_combine", "a2a_combine_b",
+                                     "a2a_dispatch_b"]
+    assert all(o.group == "ep" and o.lane == "inter" for o in a2a)
+    names = [o.name for o in f]
+    assert names.index("router") < names.index("permute") < names.index("a2a_dispatch") < \
+        names.index("experts_fc1") < names.index("a2a_combine") < names.index("unpermute")
+    assert not any(o.name in ("fc1", "ag_mlp", "rs_mlp") for o in f)   # no dense MLP
+    wg = {o.name: o.after for o in b if o.wgrad}
+    assert wg["experts_fc2_wgrad"] == "experts_fc2_dgrad"
+    assert wg["experts_fc1_wgrad"] == "experts_act_b"
+    dense_f, dense_b = layer_chains(2, True, "intra")
+    assert [o.name for o in dense_f][:7] == names[:7]                 # attention unchanged
+
+
+def test_phi_moe_is_planned_as_moe():
+    """phi-3.5-moe at EP=8 on A40: the all-to-alls are priced by the ring formula at the
+    balanced expectation (local tokens × top-k × hidden), and the plan hides some of them
+    behind the other strand's compute."""
+    from dhelix.models.config import load_model_config
+    from dhelix.planner import dp
+    from dhelix.planner.cli import layer_for_shape, load_costs
+    from dhelix.planner.costmodel import load_cluster
+    shape = {"config": "phi-3.5-moe", "tp": 1, "sp": False, "seq": 4096, "mbs": 1,
+             "bf16": True, "lane": "intra", "ep": 8}
+    layer = layer_for_shape(shape)
+    assert layer.shape["routing"] == "balanced expectation"
+    a2a = next(o for o in layer.forward if o.name == "a2a_dispatch")
+    m = load_model_config("phi-3.5-moe")
+    assert a2a.comm_bytes == 4096 * 1 * m.moe_router_topk * m.hidden_size * 2
+    costs, _ = load_costs(layer, shape, None, "a40", False)
+    c = load_cluster("configs/clusters/a40.yaml")["intra_node"]
+    bw = c["bandwidth_GBps"] * 1e9 * c.get("efficiency", 1.0)
+    expect = 7 / 8 * a2a.comm_bytes / bw + 7 * c["latency_us"] * 1e-6
+    assert abs(costs.alone_f["a2a_dispatch"] - expect) <= 1e-9 + 1e-6 * expect
+    p = dp.plan(layer, costs)
+    assert p.meta["speedup_vs_trivial"] > 1.0
+    assert any(set(s.fwd) & {"a2a_dispatch", "a2a_combine"} and s.bwd or
+               set(s.bwd) & {"a2a_combine_b", "a2a_dispatch_b"} and s.fwd for s in p.steps)
+    with pytest.raises(ConfigError, match="needs sequence parallelism"):
+        layer_for_shape(dict(shape, tp=2))
+    with pytest.raises(ConfigError, match="EP=2 for a model without experts"):
+        layer_for_shape(dict(shape, config="llama-8b", ep=2))

@@ -16,9 +16,12 @@ from typing import List, Tuple
 from dhelix.planner.opspec import COMM, COMPUTE, OpSpec
 
 
-def layer_chains(tp: int, sp: bool, lane: str = "intra") -> Tuple[List[OpSpec], List[OpSpec]]:
-    """(forward, backward) OpSpecs of a dense layer with TP `tp` (sequence parallel `sp`);
-    TP collectives run on `lane` (intra or inter, by the TP group's node membership)."""
+def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
+                 ep_lane: str = "intra") -> Tuple[List[OpSpec], List[OpSpec]]:
+    """(forward, backward) OpSpecs of a layer with TP `tp` (sequence parallel `sp`); TP
+    collectives run on `lane` (intra or inter, by the TP group's node membership). With
+    `moe` the MLP is megatron's MoE block with the all-to-all dispatcher (experts not
+    TP-split: expert-tensor-parallel 1), its all-to-alls on `ep_lane`."""
     sp = sp and tp > 1
 
     def C(name, **kw):
@@ -36,9 +39,10 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra") -> Tuple[List[OpSpec], 
     def gather(name, **kw):
         return [M(name, "all_gather", **kw)] if sp else []
 
-    f = [C("ln_attn"), *gather("ag_attn"), C("qkv"), C("attn"), C("proj"),
-         *reduce_out("attn"), C("bda_attn"), C("ln_mlp"), *gather("ag_mlp"), C("fc1"),
-         C("act"), C("fc2"), *reduce_out("mlp"), C("bda_mlp")]
+    f_attn = [C("ln_attn"), *gather("ag_attn"), C("qkv"), C("attn"), C("proj"),
+              *reduce_out("attn"), C("bda_attn")]
+    f = f_attn + [C("ln_mlp"), *gather("ag_mlp"), C("fc1"), C("act"), C("fc2"),
+                  *reduce_out("mlp"), C("bda_mlp")]
 
     def column_backward(part, grad_op, lin):
         after = grad_op
@@ -51,9 +55,31 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra") -> Tuple[List[OpSpec], 
         ops.append(C(f"{lin}_wgrad", wgrad=True, after=after))
         return ops
 
+    b_attn = [C("bda_attn_b"), *gather("ag_attn_b"), C("proj_dgrad"),
+              C("proj_wgrad", wgrad=True, after="proj_dgrad"), C("attn_b"),
+              *column_backward("attn", "attn_b", "qkv"), C("ln_attn_b")]
     b = [C("bda_mlp_b"), *gather("ag_mlp_b"), C("fc2_dgrad"),
          C("fc2_wgrad", wgrad=True, after="fc2_dgrad"), C("act_b"),
-         *column_backward("mlp", "act_b", "fc1"), C("ln_mlp_b"), C("bda_attn_b"),
-         *gather("ag_attn_b"), C("proj_dgrad"), C("proj_wgrad", wgrad=True, after="proj_dgrad"),
-         C("attn_b"), *column_backward("attn", "attn_b", "qkv"), C("ln_attn_b")]
+         *column_backward("mlp", "act_b", "fc1"), C("ln_mlp_b")] + b_attn
+    if moe:
+        f_moe, b_moe = moe_chains(ep_lane)
+        return f_attn + f_moe, b_moe + b_attn
+    return f, b
+
+
+def moe_chains(ep_lane: str) -> Tuple[List[OpSpec], List[OpSpec]]:
+    """The MLP part of a MoE layer: router, permute, dispatch all-to-all, the experts'
+    GEMMs (dgrad and wgrad apart), combine all-to-all, unpermute. Tokens are the local
+    sequence shard (megatron's MoE needs sequence parallel with TP), so no TP collective."""
+    def C(name, **kw):
+        return OpSpec(name, COMPUTE, "compute", **kw)
+
+    def A(name):
+        return OpSpec(name, COMM, ep_lane, group="ep", collective="all_to_all")
+    f = [C("ln_mlp"), C("router"), C("permute"), A("a2a_dispatch"), C("experts_fc1"),
+         C("experts_act"), C("experts_fc2"), A("a2a_combine"), C("unpermute"), C("bda_mlp")]
+    b = [C("bda_mlp_b"), C("unpermute_b"), A("a2a_combine_b"), C("experts_fc2_dgrad"),
+         C("experts_fc2_wgrad", wgrad=True, after="experts_fc2_dgrad"), C("experts_act_b"),
+         C("experts_fc1_dgrad"), C("experts_fc1_wgrad", wgrad=True, after="experts_act_b"),
+         A("a2a_dispatch_b"), C("permute_b"), C("router_b"), C("ln_mlp_b")]
     return f, b

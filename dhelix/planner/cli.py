@@ -142,12 +142,15 @@ def _add_shape_args(p, required: bool) -> None:
     g.add_argument("--lane", choices=("intra", "inter"), default=None,
                    help="where the TP group lives: inside a node (intra, default) or across "
                         "nodes (inter)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=None, metavar="P",
+                   help="MoE configs: experts over P ranks, all-to-all between them "
+                        "(default 1); the EP group is inside a node while TP×EP ≤ 8")
 
 
 def _shape_given(a) -> bool:
-    return any(getattr(a, k) is not None for k in
+    return any(getattr(a, k, None) is not None for k in
                ("config", "tensor_model_parallel_size", "sequence_parallel", "seq_length",
-                "micro_batch_size", "bf16", "lane"))
+                "micro_batch_size", "bf16", "lane", "expert_model_parallel_size"))
 
 
 def _shape_from_args(a) -> dict:
@@ -164,8 +167,20 @@ def _shape_from_args(a) -> dict:
     if sp and tp > 1 and seq % tp:
         raise CliError(f"--seq-length {seq} must be divisible by --tensor-model-parallel-size "
                        f"{tp} with --sequence-parallel")
-    return {"config": a.config, "tp": tp, "sp": sp and tp > 1, "seq": seq, "mbs": mbs,
-            "bf16": bool(a.bf16), "lane": a.lane or "intra"}
+    ep = getattr(a, "expert_model_parallel_size", None) or 1
+    if ep < 1:
+        raise CliError(f"--expert-model-parallel-size must be a positive integer, got {ep}")
+    shape = {"config": a.config, "tp": tp, "sp": sp and tp > 1, "seq": seq, "mbs": mbs,
+             "bf16": bool(a.bf16), "lane": a.lane or "intra"}
+    if ep > 1:
+        shape["ep"] = ep
+    return shape
+
+
+def ep_lane(shape: dict) -> str:
+    """The EP group's lane: inside a node while TP × EP fits in one (8 GPUs per node in
+    every cluster file here), else across nodes."""
+    return "intra" if shape["tp"] * shape.get("ep", 1) <= 8 else "inter"
 
 
 def layer_for_shape(shape: dict):
@@ -175,7 +190,8 @@ def layer_for_shape(shape: dict):
     cfg = load_model_config(shape["config"])
     try:
         return layer_ops_for_shape(cfg, shape["tp"], shape["sp"], shape["seq"], shape["mbs"],
-                                   bf16=shape["bf16"], lane=shape["lane"])
+                                   bf16=shape["bf16"], lane=shape["lane"],
+                                   ep=shape.get("ep", 1), ep_lane=ep_lane(shape))
     except (ValueError, AssertionError) as e:  # megatron's TransformerConfig checks
         raise ConfigError(f"--config {shape['config']} with TP={shape['tp']}: {e}")
 
@@ -184,6 +200,8 @@ def shape_str(shape: dict) -> str:
     parts = [str(shape.get("config")), f"TP={shape.get('tp')}"]
     if shape.get("sp"):
         parts.append("SP")
+    if shape.get("ep", 1) > 1:
+        parts.append(f"EP={shape['ep']} ({ep_lane(shape)})")
     parts += [f"seq {shape.get('seq')}", f"mbs {shape.get('mbs')}",
               "bf16" if shape.get("bf16") else "fp32", f"lane {shape.get('lane')}"]
     return ", ".join(parts)
@@ -225,7 +243,7 @@ def load_costs(layer, shape: Optional[dict], table: Optional[str], cluster: Opti
     path = resolve_cluster(cluster)
     c = load_cluster(path)
     name = c.get("name") or os.path.splitext(os.path.basename(path))[0]
-    groups = {"tp": int(shape["tp"])}
+    groups = {"tp": int(shape["tp"]), "ep": int(shape.get("ep", 1))}
     t = analytical_table(layer, c, groups, dtype=_dtype(shape["bf16"]), cluster_name=name)
     return t, {"kind": "cluster", "name": name, "path": os.path.abspath(path),
                "dtype": _dtype(shape["bf16"]), "group_sizes": groups}

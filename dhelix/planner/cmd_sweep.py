@@ -20,7 +20,7 @@ from dhelix.planner.cli import (DEFAULT_CLUSTERS, CliError, _add_planner_args, _
 def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, mbs: int,
           bf16: bool, lane: str = "intra", memory_budget: Optional[float] = None,
           backend: str = "auto", progress: bool = True, pp: int = 1,
-          microbatches: Optional[int] = None) -> List[Dict]:
+          microbatches: Optional[int] = None, ep: int = 1) -> List[Dict]:
     """One row per (config, cluster): predicted and trivial step time, speedup, or error;
     with pp > 1 also the whole pipeline step of megatron 1F1B and the DHelix fold."""
     from tqdm import tqdm
@@ -33,6 +33,8 @@ def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, 
         bar.set_postfix_str(f"{cfg} on {clu}")
         shape = {"config": cfg, "tp": tp, "sp": sp and tp > 1, "seq": seq, "mbs": mbs,
                  "bf16": bf16, "lane": lane}
+        if ep > 1 and _is_moe(cfg):               # EP applies to the MoE configs only
+            shape["ep"] = ep
         row = {"config": cfg, "cluster": clu, "shape": shape}
         try:
             from dhelix.planner import dp
@@ -54,6 +56,14 @@ def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, 
         rows.append(row)
     bar.close()
     return rows
+
+
+def _is_moe(cfg: str) -> bool:
+    from dhelix.models.config import ConfigError, load_model_config
+    try:
+        return bool(load_model_config(cfg).num_experts)
+    except ConfigError:
+        return False                              # reported by the row itself
 
 
 def _pipeline(layer, plan, costs, shape, cluster, pp, microbatches) -> Dict:
@@ -144,7 +154,8 @@ def cmd_plan_sweep(a, argv) -> int:
                         ("--seq-length", a.seq_length), ("--micro-batch-size",
                                                          a.micro_batch_size),
                         ("--pipeline-model-parallel-size", a.pipeline_model_parallel_size),
-                        ("--data-parallel-size", a.data_parallel_size)):
+                        ("--data-parallel-size", a.data_parallel_size),
+                        ("--expert-model-parallel-size", a.expert_model_parallel_size)):
             if v <= 0:
                 raise CliError(f"{flag} must be a positive integer, got {v}")
         budget = None if a.memory_budget is None else parse_bytes(a.memory_budget)
@@ -153,11 +164,14 @@ def cmd_plan_sweep(a, argv) -> int:
     tp, sp = a.tensor_model_parallel_size, a.sequence_parallel
     pp, dp_size = a.pipeline_model_parallel_size, a.data_parallel_size
     nmb = a.num_microbatches or 2 * pp
+    ep = a.expert_model_parallel_size
     rows = sweep(configs, clusters, tp, sp, a.seq_length, a.micro_batch_size, a.bf16,
                  a.lane, budget, a.backend, progress=not a.no_progress, pp=pp,
-                 microbatches=nmb)
+                 microbatches=nmb, ep=ep)
     setting = (f"TP={tp}{', SP' if sp and tp > 1 else ''}, seq {a.seq_length}, "
                f"mbs {a.micro_batch_size}, {_dtype(a.bf16)}, lane {a.lane}")
+    if ep > 1:
+        setting += f", EP={ep} for MoE configs"
     if pp > 1 or dp_size > 1:
         setting += (f"; DP={dp_size} × TP={tp} × PP={pp} = {dp_size * tp * pp} GPUs, "
                     f"{nmb} micro-batches per step")
@@ -179,6 +193,7 @@ def cmd_plan_sweep(a, argv) -> int:
                 "tp": tp, "sp": sp and tp > 1, "seq": a.seq_length, "mbs": a.micro_batch_size,
                 "bf16": a.bf16, "lane": a.lane, "memory_budget_bytes": budget,
                 "pp": pp, "dp": dp_size, "num_microbatches": nmb,
+                "ep": a.expert_model_parallel_size,
                 "backend": a.backend}, "rows": rows}, f, indent=1)
         sweep_chart(rows, a.png, f"DHelix planner, predicted speedup vs trivial plan ({setting})")
     except OSError as e:
@@ -217,6 +232,9 @@ def add_parser(sub) -> None:
     w.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="G",
                    help="G > 1: also the whole pipeline step, megatron 1F1B vs the DHelix "
                         "fold (default 1)")
+    w.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
+                   help="EP for the MoE configs (phi-3.5-moe): experts over P ranks, "
+                        "all-to-all as planned ops (default 1)")
     w.add_argument("--data-parallel-size", type=int, default=1, metavar="D",
                    help="DP size of the layout (reported; default 1)")
     w.add_argument("--num-microbatches", type=int, default=None, metavar="N",

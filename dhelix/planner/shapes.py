@@ -23,7 +23,7 @@ def _sizes(cfg, tp, sp, s, b):
                 dt=dt, s=s, b=b, tp=tp, s_loc=s_loc)
 
 
-def op_estimates(cfg, tp, sp, s, b):
+def op_estimates(cfg, tp, sp, s, b, ep=1):
     """name -> dict(flops, comm_bytes, saved_bytes) for every op either chain can hold."""
     z = _sizes(cfg, tp, sp, s, b)
     h, dt, T, Tl = z["h"], z["dt"], s * b, z["s_loc"] * b
@@ -51,12 +51,37 @@ def op_estimates(cfg, tp, sp, s, b):
         e[name] = (0, full, 0)        # collective buffer size (NCCL's "size")
     for name in ("ar_attn", "ar_mlp", "ar_mlp_b", "ar_attn_b"):
         e[name] = (0, full, 0)
+    if getattr(cfg, "num_experts", None):
+        e.update(_moe_estimates(cfg, z, Tl, g, ew))
     return e
 
 
-def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b) -> LayerOps:
+def _moe_estimates(cfg, z, Tl, g, ew):
+    """MoE ops at the *balanced expectation*: every rank sends and receives its Tl local
+    tokens × top-k, each expert GEMM sees that many rows (a skewed routing moves more to
+    some ranks; a measured table holds what the run saw). Experts are not TP-split."""
+    h, dt, E, k = z["h"], z["dt"], cfg.num_experts, cfg.moe_router_topk
+    f = cfg.ffn_hidden_size
+    f1 = f * (2 if cfg.gated_linear_unit else 1)
+    R = Tl * k                                    # routed rows on this rank
+    routed = R * h * dt
+    return {
+        "router": (g(Tl, h, E), 0, Tl * E * 4), "permute": (ew(R * h), 0, 0),
+        "experts_fc1": (g(R, h, f1), 0, R * h * dt), "experts_act": (ew(R * f1), 0, R * f1 * dt),
+        "experts_fc2": (g(R, f, h), 0, R * f * dt), "unpermute": (ew(R * h), 0, routed),
+        "a2a_dispatch": (0, routed, 0), "a2a_combine": (0, routed, 0),
+        "a2a_combine_b": (0, routed, 0), "a2a_dispatch_b": (0, routed, 0),
+        "unpermute_b": (ew(R * h) * 2, 0, routed), "experts_fc2_dgrad": (g(R, h, f), 0, 0),
+        "experts_fc2_wgrad": (g(f, R, h), 0, R * f * dt),
+        "experts_act_b": (ew(R * f1) * 2, 0, R * f1 * dt),
+        "experts_fc1_dgrad": (g(R, f1, h), 0, 0), "experts_fc1_wgrad": (g(f1, R, h), 0, R * h * dt),
+        "permute_b": (ew(R * h), 0, 0), "router_b": (g(Tl, E, h) * 2, 0, Tl * E * 4),
+    }
+
+
+def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1) -> LayerOps:
     """Fill the chains' OpSpecs with the estimates for this shape."""
-    est = op_estimates(cfg, tp, sp, s, b)
+    est = op_estimates(cfg, tp, sp, s, b, ep)
     dt = _sizes(cfg, tp, sp, s, b)["dt"]
 
     def fill(spec):
@@ -66,6 +91,9 @@ def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b) -> LayerOps:
     lo = LayerOps([fill(o) for o in forward], [fill(o) for o in backward])
     lo.shape = {"hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "seq": s, "mbs": b,
                 "tp": tp, "sp": sp, "dtype_bytes": dt}
+    if getattr(cfg, "num_experts", None):
+        lo.shape.update(experts=cfg.num_experts, topk=cfg.moe_router_topk, ep=ep,
+                        routing="balanced expectation")
     return lo
 
 
@@ -80,6 +108,8 @@ class LayerShape:
     gated_linear_unit: bool = False
     bf16: bool = False
     fp16: bool = False
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
 
     @staticmethod
     def of(cfg) -> "LayerShape":
@@ -93,12 +123,14 @@ class LayerShape:
         """From a ModelConfig, as megatron's TransformerConfig would fill it."""
         return LayerShape(m.hidden_size, m.num_attention_heads, m.ffn_hidden_size,
                           m.hidden_size // m.num_attention_heads, m.kv_groups,
-                          m.activation == "swiglu", bool(bf16), False)
+                          m.activation == "swiglu", bool(bf16), False, m.num_experts,
+                          m.moe_router_topk)
 
 
 def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length: int,
                         micro_batch_size: int, bf16: bool = False,
-                        lane: str = "intra") -> LayerOps:
+                        lane: str = "intra", ep: int = 1,
+                        ep_lane: str = "intra") -> LayerOps:
     """The same LayerOps a live DHelix layer of this shape reports, without building it
     or any process group: for planning and simulating models and clusters you do not
     have (`dhelix plan --config llama-8b --cluster h100`)."""
@@ -113,6 +145,16 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
     if g % tp and tp % g:
         raise ValueError(f"num_query_groups ({g}) and TP={tp} must divide one another")
     sp = bool(sequence_parallel) and tp > 1
-    fwd, bwd = layer_chains(tp, sp, lane)
+    moe = bool(model_cfg.num_experts)
+    if moe:
+        if tp > 1 and not sp:
+            raise ValueError("a MoE layer with TP > 1 needs sequence parallelism (megatron's "
+                             "rule): add --sequence-parallel")
+        if model_cfg.num_experts % ep:
+            raise ValueError(f"num_experts ({model_cfg.num_experts}) is not divisible by "
+                             f"EP={ep}")
+    elif ep > 1:
+        raise ValueError(f"EP={ep} for a model without experts")
+    fwd, bwd = layer_chains(tp, sp, lane, moe=moe, ep_lane=ep_lane)
     return estimate_layer_ops(fwd, bwd, LayerShape.of_model(model_cfg, bf16), tp, sp,
-                              seq_length, micro_batch_size)
+                              seq_length, micro_batch_size, ep)
