@@ -253,3 +253,27 @@ def test_bench_pipeline_rows(tmp_path):
     md = open(out + ".md").read()
     assert "| tiny4 | none | dhelix-fold |" in md
     assert os.path.getsize(out + ".png") > 1000
+
+
+@pytest.mark.parametrize("G,N", [(2, 4), (3, 6), (3, 4), (4, 8), (4, 16)])
+def test_p2p_messages_match_by_order(G, N):
+    """What a stage sends a neighbour is exactly what that neighbour's items take from
+    it, and the receiver posts in the sender's order (`sends`): NCCL matches messages by
+    order, and an activation and a grad have the same shape. For G ≥ 3 the receiver's
+    own step order would post them differently (checked, so the test can fail)."""
+    from dhelix.folding.order import fold_deps, sends, travels_down
+    o = folded_order(G, N)
+    deps = fold_deps(G)
+    differs = False
+    for dst in range(G):
+        for src in (dst - 1, dst + 1):
+            if not 0 <= src < G:
+                continue
+            needed = [d[1] for s in o.steps[dst] for it in (s.fwd, s.bwd) if it
+                      for d in deps(dst, it) if d[0] == src]
+            sent = sends(o, src, dst)
+            assert sorted(needed) == sorted(sent), (src, dst)
+            assert all(travels_down(it) == (dst == src + 1) for it in sent)
+            differs |= needed != sent
+    if G >= 3 and N >= 2 * G:
+        assert differs          # the V-shaped phases: the two orders really differ

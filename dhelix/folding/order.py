@@ -155,6 +155,29 @@ def play(order: FoldedOrder, deps, item_cost, pair_cost, p2p_s: float) -> Folded
     return timed
 
 
+def travels_down(item: Item) -> bool:
+    """F0 and B1 go to higher stages (their output to g+1), F1 and B0 back up."""
+    kind, c, _ = item
+    return (kind == "F") == (c == 0)
+
+
+def sends(order: FoldedOrder, src: int, dst: int) -> List[Item]:
+    """The items whose output `src` sends to `dst` (a neighbour), in the order it sends
+    them: step by step, a step's forward output before its input grad. The receiver
+    posts its receives from `src` in exactly this order — NCCL matches P2P messages by
+    order, not by tag, and an activation and a grad have the same shape."""
+    G, out = order.stages, []
+    for s in order.steps[src]:
+        for it in (s.fwd, s.bwd):
+            if it is None:
+                continue
+            if travels_down(it) and src < G - 1 and dst == src + 1:
+                out.append(it)
+            elif not travels_down(it) and src > 0 and dst == src - 1:
+                out.append(it)
+    return out
+
+
 def greedy_order(stages: int, microbatches: int, depth: Optional[int] = None,
                  f: float = 1.0, b: float = 2.0) -> FoldedOrder:
     """A play with unit costs and greedy choices: the oldest ready backward first, then

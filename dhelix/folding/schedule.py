@@ -19,7 +19,9 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from dhelix.folding.order import FoldedOrder, folded_order
+from collections import deque
+
+from dhelix.folding.order import FoldedOrder, folded_order, sends, travels_down
 from dhelix.schedules.dhelix import DHelixSchedule, co_step
 from dhelix.schedules.microbatch import Microbatch, MicrobatchSteps
 
@@ -128,24 +130,39 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
     turn: Dict[int, Dict[int, torch.Tensor]] = {ACT: {}, GRAD: {}}
     my_steps = order.steps[g]
 
-    def down(kind, c):
-        """F0 and B1 travel to higher stages, F1 and B0 back up."""
-        return (kind == ACT) == (c == 0)
+    # the messages each neighbour will send here, in its send order: receives are posted
+    # in that order (NCCL matches by order; gloo's tags would forgive a mismatch)
+    expect = {n: deque(sends(order, n, g)) for n in (g - 1, g + 1) if 0 <= n < G}
+
+    def item(kind, c, m):
+        return ("F" if kind == ACT else "B", c, m)
 
     def post(kind, c, m):
-        if down(kind, c) and g > 0:
-            pipe.post_recv(g - 1, m, c, kind)
-        elif not down(kind, c) and g < G - 1:
-            pipe.post_recv(g + 1, m, c, kind)
+        """Post the receive of (kind, c, m), and before it every message its sender
+        sends earlier."""
+        it = item(kind, c, m)
+        src = g - 1 if travels_down(it) else g + 1
+        if src not in expect or (m, c, kind) in pipe.posted:
+            return
+        queue = expect[src]
+        while queue:
+            k, cc, mm = queue.popleft()
+            pipe.post_recv(src, mm, cc, ACT if k == "F" else GRAD)
+            if (k, cc, mm) == it:
+                return
 
     def receive(kind, c, m):
         """An item's input; None on stage 0 for F0 (the data) and B1 (the loss)."""
-        if down(kind, c):
-            return None if g == 0 else pipe.take(m, c, kind)
-        return turn[kind].pop(m) if g == G - 1 else pipe.take(m, c, kind)
+        if travels_down(item(kind, c, m)):
+            if g == 0:
+                return None
+        elif g == G - 1:
+            return turn[kind].pop(m)
+        post(kind, c, m)
+        return pipe.take(m, c, kind)
 
     def deliver(t, kind, c, m):
-        if down(kind, c):
+        if travels_down(item(kind, c, m)):
             if g == G - 1:
                 turn[kind][m] = t.detach()
             else:

@@ -243,7 +243,9 @@ def load_costs(layer, shape: Optional[dict], table: Optional[str], cluster: Opti
     path = resolve_cluster(cluster)
     c = load_cluster(path)
     name = c.get("name") or os.path.splitext(os.path.basename(path))[0]
-    groups = {"tp": int(shape["tp"]), "ep": int(shape.get("ep", 1))}
+    groups = {"tp": int(shape["tp"])}
+    if any(o.group == "ep" for o in list(layer.forward) + list(layer.backward)):
+        groups["ep"] = int(shape.get("ep", 1))
     t = analytical_table(layer, c, groups, dtype=_dtype(shape["bf16"]), cluster_name=name)
     return t, {"kind": "cluster", "name": name, "path": os.path.abspath(path),
                "dtype": _dtype(shape["bf16"]), "group_sizes": groups}
