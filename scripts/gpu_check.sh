@@ -64,7 +64,22 @@ if [ "$ngpu" -ge 2 ]; then
   run 180 "${common[@]}" "${tp[@]}" --json "$out/tp2-base.json"
   run 180 "${common[@]}" "${tp[@]}" --dhelix --json "$out/tp2-dhelix.json" \
     && compare "$out/tp2-base.json" "$out/tp2-dhelix.json" 1e-5
+  echo "== 3b. PP=2: the DHelix fold ≡ megatron 1F1B over NCCL (one PP=1 checkpoint)"
+  pp=(--config tiny-llama4 --micro-batch-size 1 --global-batch-size 8 --train-iters 10)
+  run 120 "${pp[@]}" --train-iters 0 --save "$out/pp-init"
+  run 180 "${pp[@]}" --nproc 2 --pipeline-model-parallel-size 2 --load "$out/pp-init" \
+    --json "$out/pp-1f1b.json"
+  run 180 "${pp[@]}" --nproc 2 --pipeline-model-parallel-size 2 --load "$out/pp-init" \
+    --dhelix --dhelix-fold --json "$out/pp-fold.json" \
+    && compare "$out/pp-1f1b.json" "$out/pp-fold.json" 1e-5
+  echo "== 3c. MoE, EP=2 over NCCL (megatron's MoE block; the baseline only)"
+  run 180 --config tiny-moe --nproc 2 --expert-model-parallel-size 2 --train-iters 10 \
+    --json "$out/moe-ep2.json"
+else
+  echo "== 3. skipped: TP=2, PP=2 (the fold) and EP=2 need 2 GPUs (NCCL refuses two ranks on one)"
 fi
+echo "== 3d. MoE on 1 GPU (megatron's MoE block, no Transformer Engine needed)"
+run 120 --config tiny-moe --train-iters 10 --json "$out/moe-1gpu.json"
 echo "== 4. timing: 8-layer Llama-3-8B shape, bf16, seq 4096, mbs 1, 8 micro-batches"
 big=(--config llama3-8b-8l --train-iters 12 --micro-batch-size 1 --global-batch-size 8
      --seq-length 4096 --bf16 --log-interval 4)

@@ -155,9 +155,13 @@ def _moe_router_without_te() -> None:
     """(g) megatron-core 0.16.1's router GEMM reads `te_general_gemm`, a name bound only
     when Transformer Engine imports; without TE it is a NameError. None is what the
     function's own fallback test expects."""
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _moe_split_sizes_on_host() -> None:
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
     # (f) the all-to-all split sizes become host numbers when copied from the GPU; on CPU
     # nothing is copied and they stayed tensors, which all_to_all_single refuses
     orig = moe_utils.maybe_move_tensor_to_cpu
@@ -170,8 +174,10 @@ def _moe_router_without_te() -> None:
 
 
 def apply() -> bool:
-    """Patch megatron for CPU if CUDA is absent. Returns True if patches are in place."""
+    """Patch megatron for CPU if CUDA is absent. Returns True if patches are in place.
+    (g) is a megatron-core bug on any device without Transformer Engine: fixed always."""
     global _APPLIED
+    _moe_router_without_te()
     if torch.cuda.is_available():
         return False
     if _APPLIED:
@@ -191,7 +197,7 @@ def apply() -> bool:
     # `initialize_rng_tracker(force_reset=True)` would build a CUDA tracker again
     mrandom.CudaRNGStatesTracker = tracker_cls
     _cpu_embedding_sync()
-    _moe_router_without_te()
+    _moe_split_sizes_on_host()
     _APPLIED = True
     return True
 

@@ -68,18 +68,21 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
 
 
 def moe_chains(ep_lane: str) -> Tuple[List[OpSpec], List[OpSpec]]:
-    """The MLP part of a MoE layer: router, permute, dispatch all-to-all, the experts'
-    GEMMs (dgrad and wgrad apart), combine all-to-all, unpermute. Tokens are the local
+    """The MLP part of a MoE layer: router, permute, dispatch all-to-all, sort the
+    received tokens by local expert, the experts' GEMMs (dgrad and wgrad apart), unsort,
+    combine all-to-all, unpermute. Tokens are the local
     sequence shard (megatron's MoE needs sequence parallel with TP), so no TP collective."""
     def C(name, **kw):
         return OpSpec(name, COMPUTE, "compute", **kw)
 
     def A(name):
         return OpSpec(name, COMM, ep_lane, group="ep", collective="all_to_all")
-    f = [C("ln_mlp"), C("router"), C("permute"), A("a2a_dispatch"), C("experts_fc1"),
-         C("experts_act"), C("experts_fc2"), A("a2a_combine"), C("unpermute"), C("bda_mlp")]
-    b = [C("bda_mlp_b"), C("unpermute_b"), A("a2a_combine_b"), C("experts_fc2_dgrad"),
-         C("experts_fc2_wgrad", wgrad=True, after="experts_fc2_dgrad"), C("experts_act_b"),
-         C("experts_fc1_dgrad"), C("experts_fc1_wgrad", wgrad=True, after="experts_act_b"),
+    f = [C("ln_mlp"), C("router"), C("permute"), A("a2a_dispatch"), C("sort_chunks"),
+         C("experts_fc1"), C("experts_act"), C("experts_fc2"), C("unsort_chunks"),
+         A("a2a_combine"), C("unpermute"), C("bda_mlp")]
+    b = [C("bda_mlp_b"), C("unpermute_b"), A("a2a_combine_b"), C("unsort_chunks_b"),
+         C("experts_fc2_dgrad"), C("experts_fc2_wgrad", wgrad=True, after="experts_fc2_dgrad"),
+         C("experts_act_b"), C("experts_fc1_dgrad"),
+         C("experts_fc1_wgrad", wgrad=True, after="experts_act_b"), C("sort_chunks_b"),
          A("a2a_dispatch_b"), C("permute_b"), C("router_b"), C("ln_mlp_b")]
     return f, b

@@ -76,6 +76,8 @@ def _moe_estimates(cfg, z, Tl, g, ew):
         "experts_act_b": (ew(R * f1) * 2, 0, R * f1 * dt),
         "experts_fc1_dgrad": (g(R, f1, h), 0, 0), "experts_fc1_wgrad": (g(f1, R, h), 0, R * h * dt),
         "permute_b": (ew(R * h), 0, 0), "router_b": (g(Tl, E, h) * 2, 0, Tl * E * 4),
+        "sort_chunks": (ew(R * h), 0, 0), "unsort_chunks": (ew(R * h), 0, 0),
+        "sort_chunks_b": (ew(R * h), 0, 0), "unsort_chunks_b": (ew(R * h), 0, 0),
     }
 
 
@@ -116,7 +118,8 @@ class LayerShape:
         """From a TransformerConfig (a live layer)."""
         return LayerShape(cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size,
                           cfg.kv_channels, cfg.num_query_groups, bool(cfg.gated_linear_unit),
-                          bool(cfg.bf16), bool(cfg.fp16))
+                          bool(cfg.bf16), bool(cfg.fp16), cfg.num_moe_experts,
+                          cfg.moe_router_topk)
 
     @staticmethod
     def of_model(m, bf16: bool = False) -> "LayerShape":

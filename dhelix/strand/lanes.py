@@ -56,6 +56,15 @@ class Lanes(abc.ABC):
         return self._launch(op, lane, out, lambda: dist.all_reduce(
             out, group=group, async_op=self.async_op))
 
+    def all_to_all(self, op: str, x: torch.Tensor, out_splits, in_splits, group,
+                   lane: str) -> Pending:
+        """Rows of `x` in `in_splits` go to the group's ranks; `out_splits` rows come back
+        (the MoE token exchange)."""
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        x = x.contiguous()
+        return self._launch(op, lane, out, lambda: dist.all_to_all_single(
+            out, x, list(out_splits), list(in_splits), group=group, async_op=self.async_op))
+
     def send(self, op: str, x: torch.Tensor, peer: int, group, lane: str,
              tag: int = 0) -> Pending:
         """Point-to-point send to global rank `peer` (pipeline traffic)."""

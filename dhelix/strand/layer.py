@@ -49,7 +49,13 @@ class DHelixLayer(TransformerLayer):
     @property
     def program(self) -> LayerProgram:
         if self._program is None:
-            object.__setattr__(self, "_program", LayerProgram(self))
+            from megatron.core.transformer.moe.moe_layer import MoELayer
+            if isinstance(self.mlp, MoELayer):
+                from dhelix.strand.moe import MoEProgram
+                program = MoEProgram(self)
+            else:
+                program = LayerProgram(self)
+            object.__setattr__(self, "_program", program)
         return self._program
 
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,

@@ -86,27 +86,32 @@ class LayerProgram:
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
         self.sp = bool(cfg.sequence_parallel) and self.tp > 1
         self.lane = lane_of_group(self.group) if self.tp > 1 else "intra"
-        attn, mlp = layer.self_attention, layer.mlp
-        self.attn, self.mlp = attn, mlp
+        attn = layer.self_attention
+        self.attn = attn
         self.w_qkv = attn.linear_qkv.weight
         self.b_qkv = None if attn.linear_qkv.skip_bias_add else attn.linear_qkv.bias
         self.w_proj, self.b_proj = attn.linear_proj.weight, attn.linear_proj.bias
-        self.w_fc1 = mlp.linear_fc1.weight
-        self.b_fc1 = mlp.linear_fc1.bias    # skip_bias_add: added by the activation op
-        self.w_fc2, self.b_fc2 = mlp.linear_fc2.weight, mlp.linear_fc2.bias
-        if not attn.linear_proj.skip_bias_add or not mlp.linear_fc1.skip_bias_add or \
-                not mlp.linear_fc2.skip_bias_add:
-            raise ValueError("DHelix layer expects megatron's skip_bias_add linears "
-                             "(linear_proj, linear_fc1, linear_fc2)")
+        if not attn.linear_proj.skip_bias_add:
+            raise ValueError("DHelix layer expects megatron's skip_bias_add linear_proj")
+        self._bind_mlp(layer.mlp)
         self.params: List[torch.nn.Parameter] = [p for p in layer.parameters()]
         self.forward_ops, self.backward_ops = self._build()
         self.fwd: Dict[str, Op] = {o.name: o for o in self.forward_ops}
         self.bwd: Dict[str, Op] = {o.name: o for o in self.backward_ops}
 
+    def _bind_mlp(self, mlp):
+        self.mlp = mlp
+        self.w_fc1 = mlp.linear_fc1.weight
+        self.b_fc1 = mlp.linear_fc1.bias    # skip_bias_add: added by the activation op
+        self.w_fc2, self.b_fc2 = mlp.linear_fc2.weight, mlp.linear_fc2.bias
+        if not mlp.linear_fc1.skip_bias_add or not mlp.linear_fc2.skip_bias_add:
+            raise ValueError("DHelix layer expects megatron's skip_bias_add linears "
+                             "(linear_fc1, linear_fc2)")
+
     # ---- the chains ----------------------------------------------------------------------
     def _build(self):
         """Bind a function to every op of the planner's chains (one source for both)."""
-        fwd, bwd = layer_chains(self.tp, self.sp, self.lane)
+        fwd, bwd = self._chains()
         fns = {
             "ln_attn": self._ln_attn, "qkv": self._qkv, "attn": self._attn, "proj": self._proj,
             "bda_attn": self._bda_attn, "ln_mlp": self._ln_mlp, "fc1": self._fc1,
@@ -133,7 +138,15 @@ class LayerProgram:
             "ar_mlp_b": self._allreduce("g_ln2_full", "g_ln2", "ar_mlp_b"),
             "ar_attn_b": self._allreduce("g_ln1_full", "g_ln1", "ar_attn_b"),
         }
+        fns.update(self._mlp_fns())
         return [Op(o, fns[o.name]) for o in fwd], [Op(o, fns[o.name]) for o in bwd]
+
+    def _chains(self):
+        return layer_chains(self.tp, self.sp, self.lane)
+
+    def _mlp_fns(self) -> Dict[str, Callable]:
+        """Ops of the MLP part beyond the shared ones (none for the dense layer)."""
+        return {}
 
     # ---- comm ops ------------------------------------------------------------------------
     def _gather(self, src, dst, op):
@@ -332,5 +345,6 @@ class LayerProgram:
         signature ties plans and tables to the shape, dtype and parallel sizes."""
         return estimate_layer_ops([o.spec for o in self.forward_ops],
                                   [o.spec for o in self.backward_ops], LayerShape.of(self.cfg),
-                                  self.tp, self.sp, seq_length, micro_batch_size)
+                                  self.tp, self.sp, seq_length, micro_batch_size,
+                                  getattr(self, "ep", 1))
 

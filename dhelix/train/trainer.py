@@ -177,10 +177,13 @@ def _check_experts(cfg: TrainConfig, m: ModelConfig, dp: int) -> int:
         raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: DHelix's "
                           f"checkpoints name parameters globally and expert-parallel ranks "
                           f"hold different experts under one local name; not written yet")
-    if cfg.dhelix.get("enabled") or cfg.dhelix.get("peer"):
-        raise ConfigError(f"--dhelix with a MoE model ({m.name}: {m.num_experts} experts): "
-                          f"the DHelix MoE layer, with the all-to-alls as planned ops, is not "
-                          f"built yet; train the MoE baseline without --dhelix")
+    if cfg.dhelix.get("peer"):
+        raise ConfigError(f"--dhelix-peer with a MoE model ({m.name}): the intra-batch peer "
+                          f"splits dense layers only; use --dhelix")
+    if cfg.dhelix.get("enabled") and cfg.tensor_model_parallel_size > 1 and \
+            (cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size) > 1:
+        raise ConfigError("--dhelix with experts split over TP: the DHelix MoE layer keeps "
+                          "experts whole; add --expert-tensor-parallel-size 1")
     return ep
 
 

@@ -1,0 +1,304 @@
+"""The MoE layer as op chains: megatron-core's MoE block (router, all-to-all token
+dispatcher, `SequentialMLP` experts) taken apart into DHelix ops.
+
+The attention half is the dense layer's (`LayerProgram`). The MLP half runs megatron's
+own pieces on local autograd graphs — `MoELayer.route`, the dispatcher's
+`dispatch_preprocess` (permute), `dispatch_postprocess` (sort by local expert),
+`combine_preprocess` (unsort) and `combine_postprocess` (unpermute) — while the two
+all-to-alls are comm ops on the EP group's lane and the experts' GEMMs are explicit, with
+each expert's dgrad and wgrad apart, as megatron's linears compute them.
+
+The dispatcher keeps a micro-batch's routing (splits, permutation) on itself between
+those calls. One strand runs a layer's forward at a time, but the other strand's forward
+of the same layer may come before this one's backward, so what the later ops need is
+snapshotted into the strand's state after permute and put back before each later call.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+import torch.distributed as dist
+
+from dhelix.planner.chains import layer_chains
+from dhelix.strand.program import LayerProgram, _traced, _wgrad
+
+# the dispatcher's per-micro-batch routing, set by dispatch_preprocess
+_ROUTING = ("hidden_shape", "probs", "routing_map", "tokens_per_expert",
+            "hidden_shape_before_permute", "reversed_local_input_permutation_mapping",
+            "input_splits", "output_splits", "output_splits_tp",
+            "num_global_tokens_per_local_expert", "num_out_tokens")
+
+
+class MoEProgram(LayerProgram):
+    """Op chains of a DHelix layer whose MLP is megatron's MoELayer (all-to-all)."""
+
+    def _bind_mlp(self, moe):
+        from dhelix.strand.lanes import lane_of_group
+        self.mlp = moe
+        self.moe = moe
+        self.disp = moe.token_dispatcher
+        cfg = moe.config
+        if cfg.moe_token_dispatcher_type != "alltoall":
+            raise ValueError("DHelix MoE layer: the all-to-all token dispatcher only "
+                             f"(moe_token_dispatcher_type is {cfg.moe_token_dispatcher_type})")
+        if self.disp.tp_size > 1:
+            raise ValueError("DHelix MoE layer: experts split over TP are not supported; "
+                             "use --expert-tensor-parallel-size 1")
+        if getattr(moe, "use_shared_expert", False):
+            raise ValueError("DHelix MoE layer: shared experts are not supported yet")
+        if self.disp.drop_and_pad or cfg.moe_expert_capacity_factor is not None:
+            raise ValueError("DHelix MoE layer: token dropping (capacity factor) is not "
+                             "supported")
+        self.ep_group = self.disp.ep_group
+        self.ep = dist.get_world_size(self.ep_group)
+        self.ep_lane = lane_of_group(self.ep_group) if self.ep > 1 else "intra"
+        experts = list(moe.experts.local_experts)
+        self.w1 = [e.linear_fc1.weight for e in experts]
+        self.w2 = [e.linear_fc2.weight for e in experts]
+        if any(e.linear_fc1.bias is not None or e.linear_fc2.bias is not None
+               for e in experts):
+            raise ValueError("DHelix MoE layer: expert biases are not supported "
+                             "(megatron's all-to-all dispatcher refuses them too)")
+        self.b_fc2 = None                     # the MoE block returns no bias
+        self.router_params = [p for p in moe.router.parameters() if p.requires_grad]
+
+    def _chains(self):
+        return layer_chains(self.tp, self.sp, self.lane, moe=True, ep_lane=self.ep_lane)
+
+    def _mlp_fns(self) -> Dict[str, Callable]:
+        return {
+            "router": self._router, "permute": self._permute,
+            "a2a_dispatch": self._a2a_dispatch, "sort_chunks": self._sort_chunks,
+            "experts_fc1": self._experts_fc1, "experts_act": self._experts_act,
+            "experts_fc2": self._experts_fc2, "unsort_chunks": self._unsort_chunks,
+            "a2a_combine": self._a2a_combine, "unpermute": self._unpermute,
+            "unpermute_b": self._unpermute_b, "a2a_combine_b": self._a2a_combine_b,
+            "unsort_chunks_b": self._unsort_chunks_b,
+            "experts_fc2_dgrad": self._experts_fc2_dgrad,
+            "experts_fc2_wgrad": self._experts_fc2_wgrad,
+            "experts_act_b": self._experts_act_b,
+            "experts_fc1_dgrad": self._experts_fc1_dgrad,
+            "experts_fc1_wgrad": self._experts_fc1_wgrad,
+            "sort_chunks_b": self._sort_chunks_b, "a2a_dispatch_b": self._a2a_dispatch_b,
+            "permute_b": self._permute_b, "router_b": self._router_b,
+            "ln_mlp_b": self._moe_ln_mlp_b,
+        }
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _graph(self, S, keys_in, key_graph, fn):
+        """fn(*inputs) on detached leaves of S[keys_in] with autograd; the outputs (a
+        tuple) are kept as the local graph and returned detached."""
+        xs = tuple(S.get(k).detach().requires_grad_() for k in keys_in)
+        ys = _traced(lambda a: fn(*a), xs)
+        ys = ys if isinstance(ys, tuple) else (ys,)
+        S.put(key_graph, (xs, ys))
+        return tuple(y.detach() for y in ys)
+
+    def _graph_grad(self, S, key_graph, grads, params=()):
+        xs, ys = S.get(key_graph)
+        outs = [(y, g) for y, g in zip(ys, grads) if y.requires_grad and g is not None]
+        params = [p for p in params if p is not None]
+        res = torch.autograd.grad([y for y, _ in outs], list(xs) + params,
+                                  [g for _, g in outs], allow_unused=True)
+        for p, gp in zip(params, res[len(xs):]):
+            if gp is not None:
+                S.acc_grad(p, gp)
+        S.drop(key_graph)
+        return [g if g is not None else torch.zeros_like(x) for g, x in zip(res[:len(xs)], xs)]
+
+    def _restore(self, S):
+        for k, v in S.get("moe_routing").items():
+            setattr(self.disp, k, v)
+
+    def _a2a(self, S, op, key, out_splits, in_splits):
+        if self.ep == 1:
+            return S.get(key)
+        return S.lanes.all_to_all(op, S.get(key), [int(v) for v in out_splits],
+                                  [int(v) for v in in_splits], self.ep_group, self.ep_lane)
+
+    def _split(self, S, t):
+        return list(torch.split(t, S.get("moe_tpe"))) if len(self.w1) > 1 else [t]
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _router(self, S):
+        probs, rmap = self._graph_with_map(S)
+        S.put("moe_probs", probs)
+        S.put("moe_map", rmap)
+
+    def _graph_with_map(self, S):
+        x = S.get("ln2").detach().requires_grad_()
+        probs, rmap = _traced(lambda a: self.moe.route(a), x)
+        S.put("g:router", ((x,), (probs,)))
+        return probs.detach(), rmap
+
+    def _permute(self, S):
+        rmap = S.get("moe_map")
+        tokens, pprobs = self._graph(
+            S, ("ln2", "moe_probs"), "g:permute",
+            lambda x, p: self.disp.dispatch_preprocess(x, rmap, p))
+        S.put("moe_routing", {k: getattr(self.disp, k, None) for k in _ROUTING})
+        S.put("moe_tokens", tokens)
+        S.put("moe_pprobs", pprobs)
+        S.drop("ln2", "moe_probs", "moe_map")
+
+    def _a2a_dispatch(self, S):
+        r = S.get("moe_routing")
+        S.put("moe_gtokens", self._a2a(S, "a2a_dispatch", "moe_tokens", r["output_splits"],
+                                       r["input_splits"]))
+        S.put("moe_gprobs", self._a2a(S, "a2a_dispatch", "moe_pprobs", r["output_splits"],
+                                      r["input_splits"]))
+        S.drop("moe_tokens", "moe_pprobs")
+
+    def _sort_chunks(self, S):
+        self._restore(S)
+        out = {}
+
+        def fn(t, p):
+            tokens, tpe, probs = self.disp.dispatch_postprocess(t, p)
+            out["tpe"] = tpe
+            return tokens, probs
+        tokens, probs = self._graph(S, ("moe_gtokens", "moe_gprobs"), "g:sort", fn)
+        tpe = out["tpe"]
+        S.put("moe_tpe", tpe.tolist() if torch.is_tensor(tpe) else list(tpe))
+        S.put("moe_etokens", tokens)
+        S.put("moe_eprobs", probs)
+        S.drop("moe_gtokens", "moe_gprobs")
+
+    def _experts_fc1(self, S):
+        xs = self._split(S, S.get("moe_etokens"))
+        S.put("moe_fc1", [torch.matmul(x, w.t()) for x, w in zip(xs, self.w1)])
+
+    def _act_one(self, x, probs):
+        """megatron MLP's unfused activation, then the per-token routing weight."""
+        cfg = self.cfg
+        if cfg.gated_linear_unit:
+            x_glu, x_lin = torch.chunk(x, 2, dim=-1)
+            val = getattr(cfg, "activation_func_clamp_value", None)
+            if val is not None:
+                x_glu = x_glu.clamp(min=None, max=val)
+                x_lin = x_lin.clamp(min=-val, max=val)
+            y = cfg.activation_func(x_glu) * (x_lin + getattr(cfg, "glu_linear_offset", 0.0))
+        else:
+            y = cfg.activation_func(x)
+        return (y * probs.unsqueeze(-1)).to(y.dtype)
+
+    def _experts_act(self, S):
+        n = len(self.w1)
+        fc1 = S.get("moe_fc1")
+        xs = tuple(t.detach().requires_grad_() for t in fc1) + \
+            (S.get("moe_eprobs").detach().requires_grad_(),)
+
+        def fn(a):
+            ps = list(torch.split(a[n], S.get("moe_tpe"))) if n > 1 else [a[n]]
+            return tuple(self._act_one(x, p) for x, p in zip(a[:n], ps))
+        ys = _traced(fn, xs)
+        S.put("g:experts_act", (xs, ys))
+        S.put("moe_act", [y.detach() for y in ys])
+        S.drop("moe_fc1", "moe_eprobs")
+
+    def _experts_fc2(self, S):
+        outs = [torch.matmul(a, w.t()) for a, w in zip(S.get("moe_act"), self.w2)]
+        S.put("moe_eout", torch.cat(outs, dim=0) if len(outs) > 1 else outs[0])
+
+    def _unsort_chunks(self, S):
+        self._restore(S)
+        (out,) = self._graph(S, ("moe_eout",), "g:unsort",
+                             lambda t: (self.disp.combine_preprocess(t),))
+        S.put("moe_cout", out)
+        S.drop("moe_eout")
+
+    def _a2a_combine(self, S):
+        r = S.get("moe_routing")
+        S.put("moe_ctokens", self._a2a(S, "a2a_combine", "moe_cout", r["input_splits"],
+                                       r["output_splits"]))
+        S.drop("moe_cout")
+
+    def _unpermute(self, S):
+        self._restore(S)
+        (out,) = self._graph(S, ("moe_ctokens",), "g:unpermute",
+                             lambda t: (self.disp.combine_postprocess(t),))
+        S.put("mlp_out", out)
+        S.drop("moe_ctokens")
+
+    # ---- backward --------------------------------------------------------------------------
+    def _unpermute_b(self, S):
+        (g,) = self._graph_grad(S, "g:unpermute", [S.get("g_mlp_out")])
+        S.put("g_moe_ctokens", g)
+        S.drop("g_mlp_out")
+
+    def _a2a_combine_b(self, S):
+        r = S.get("moe_routing")
+        S.put("g_moe_cout", self._a2a(S, "a2a_combine_b", "g_moe_ctokens",
+                                      r["output_splits"], r["input_splits"]))
+        S.drop("g_moe_ctokens")
+
+    def _unsort_chunks_b(self, S):
+        (g,) = self._graph_grad(S, "g:unsort", [S.get("g_moe_cout")])
+        S.put("g_moe_eout", self._split(S, g))
+        S.drop("g_moe_cout")
+
+    def _experts_fc2_dgrad(self, S):
+        S.put("g_moe_act", [g.matmul(w) for g, w in zip(S.get("g_moe_eout"), self.w2)])
+
+    def _experts_fc2_wgrad(self, S):
+        for g, a, w in zip(S.get("g_moe_eout"), S.get("moe_act"), self.w2):
+            S.acc_grad(w, _wgrad(g, a)[1])
+        S.drop("g_moe_eout", "moe_act")
+
+    def _experts_act_b(self, S):
+        xs, ys = S.get("g:experts_act")
+        grads = torch.autograd.grad(list(ys), list(xs), S.get("g_moe_act"),
+                                    allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
+        S.put("g_moe_fc1", list(grads[:-1]))
+        S.put("g_moe_eprobs", grads[-1])
+        S.drop("g:experts_act", "g_moe_act")
+
+    def _experts_fc1_dgrad(self, S):
+        gs = [g.matmul(w) for g, w in zip(S.get("g_moe_fc1"), self.w1)]
+        S.put("g_moe_etokens", torch.cat(gs, dim=0) if len(gs) > 1 else gs[0])
+        S.consume("g_moe_fc1", "experts_fc1_dgrad", ("experts_fc1_dgrad", "experts_fc1_wgrad"))
+
+    def _experts_fc1_wgrad(self, S):
+        xs = self._split(S, S.get("moe_etokens"))
+        for g, x, w in zip(S.get("g_moe_fc1"), xs, self.w1):
+            S.acc_grad(w, _wgrad(g, x)[1])
+        S.consume("g_moe_fc1", "experts_fc1_wgrad", ("experts_fc1_dgrad", "experts_fc1_wgrad"))
+        S.drop("moe_etokens")
+
+    def _sort_chunks_b(self, S):
+        gt, gp = self._graph_grad(S, "g:sort", [S.get("g_moe_etokens"), S.get("g_moe_eprobs")])
+        S.put("g_moe_gtokens", gt)
+        S.put("g_moe_gprobs", gp)
+        S.drop("g_moe_etokens", "g_moe_eprobs")
+
+    def _a2a_dispatch_b(self, S):
+        r = S.get("moe_routing")
+        S.put("g_moe_tokens", self._a2a(S, "a2a_dispatch_b", "g_moe_gtokens",
+                                        r["input_splits"], r["output_splits"]))
+        S.put("g_moe_pprobs", self._a2a(S, "a2a_dispatch_b", "g_moe_gprobs",
+                                        r["input_splits"], r["output_splits"]))
+        S.drop("g_moe_gtokens", "g_moe_gprobs")
+
+    def _permute_b(self, S):
+        gx, gp = self._graph_grad(S, "g:permute", [S.get("g_moe_tokens"),
+                                                   S.get("g_moe_pprobs")])
+        S.put("g_ln2_perm", gx)
+        S.put("g_moe_probs", gp)
+        S.drop("g_moe_tokens", "g_moe_pprobs", "moe_routing")
+
+    def _router_b(self, S):
+        (gx,) = self._graph_grad(S, "g:router", [S.get("g_moe_probs")], self.router_params)
+        S.put("g_ln2_router", gx)
+        S.drop("g_moe_probs")
+
+    def _moe_ln_mlp_b(self, S):
+        # the norm's output fed the router and the permute: its grad is their sum
+        g = S.get("g_ln2_perm") + S.get("g_ln2_router")
+        S.drop("g_ln2_perm", "g_ln2_router")
+        (gx,) = self._grad(S, "g:ln2", g.view(S.get("g_h1_res").shape),
+                           [self.layer.pre_mlp_layernorm.weight,
+                            getattr(self.layer.pre_mlp_layernorm, "bias", None)])
+        S.put("g_h1", gx + S.get("g_h1_res"))
+        S.drop("g_h1_res")
