@@ -46,13 +46,19 @@ def _on_ranks(a, argv, body) -> int:
     from dhelix.train.dist import init_distributed
 
     def on_rank():
-        m = load_model_config(a.config)
+        from dhelix.train.trainer import TrainConfig, model_of
+        m = model_of(TrainConfig(config=a.config, num_experts=a.num_experts,
+                                 moe_router_topk=a.moe_router_topk))
         info = init_distributed()
-        if info.world_size % a.tensor_model_parallel_size:
+        tp, ep = a.tensor_model_parallel_size, a.expert_model_parallel_size
+        if info.world_size % tp or (info.world_size // tp) % ep:
             raise ValueError(f"world size {info.world_size} is not divisible by "
-                             f"--tensor-model-parallel-size {a.tensor_model_parallel_size}")
-        h = LayerHarness(m, a.tensor_model_parallel_size, a.sequence_parallel, a.seq_length,
-                         a.micro_batch_size, a.bf16, a.seed, info.device)
+                             f"--tensor-model-parallel-size {tp} × "
+                             f"--expert-model-parallel-size {ep}")
+        if ep > 1 and not m.num_experts:
+            raise ValueError(f"--expert-model-parallel-size {ep}: {m.name} has no experts")
+        h = LayerHarness(m, tp, a.sequence_parallel, a.seq_length,
+                         a.micro_batch_size, a.bf16, a.seed, info.device, ep=ep)
         body(h, m, info.rank == 0)
     return run_here(a.cmd, on_rank)
 

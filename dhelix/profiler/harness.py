@@ -21,7 +21,8 @@ from dhelix.strand.state import StrandState
 
 class LayerHarness:
     def __init__(self, m: ModelConfig, tp: int, sp: bool, seq: int, mbs: int,
-                 bf16: bool = False, seed: int = 1234, device: Optional[torch.device] = None):
+                 bf16: bool = False, seed: int = 1234, device: Optional[torch.device] = None,
+                 ep: int = 1):
         from megatron.core import parallel_state
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -30,20 +31,27 @@ class LayerHarness:
         from dhelix.compat import cpu as cpu_compat
         from dhelix.megatron.spec import get_dhelix_layer_spec
         from dhelix.models.gpt import transformer_config
+        from dhelix.models.spec import layer_spec
+        from dhelix.strand.layer import DHelixLayer
 
         cpu_compat.apply()
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        # a MoE layer keeps its experts whole (expert-tensor-parallel 1), as DHelix trains it
+        etp = 1 if m.num_experts else None
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         self.device = device or torch.device("cpu")
-        self.cfg = transformer_config(m, tp=tp, sequence_parallel=sp, bf16=bf16)
-        self.layer = build_module(get_dhelix_layer_spec(), config=self.cfg,
-                                  layer_number=1).to(self.device)
+        self.cfg = transformer_config(m, tp=tp, sequence_parallel=sp, bf16=bf16, ep=ep, etp=etp)
+        spec = layer_spec(DHelixLayer, m.num_experts) if m.num_experts else \
+            get_dhelix_layer_spec()
+        self.layer = build_module(spec, config=self.cfg, layer_number=1).to(self.device)
         self.program = self.layer.program
         self.ops = self.program.layer_ops(seq, mbs)
-        self.seq, self.mbs, self.tp, self.sp = seq, mbs, tp, sp and tp > 1
+        self.seq, self.mbs, self.tp, self.sp, self.ep = seq, mbs, tp, sp and tp > 1, ep
         rope = None
         if m.position_embedding_type == "rope":
             rope = RotaryEmbedding(kv_channels=self.cfg.kv_channels, rotary_percent=1.0,

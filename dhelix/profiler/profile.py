@@ -17,7 +17,7 @@ from dhelix.base.nodes import node_ids
 from dhelix.planner.costs import CostTable
 
 
-def provenance(m, tp, sp, seq, mbs, bf16) -> dict:
+def provenance(m, tp, sp, seq, mbs, bf16, ep: int = 1) -> dict:
     import megatron.core
     world = dist.get_world_size() if dist.is_initialized() else 1
     return {
@@ -25,6 +25,8 @@ def provenance(m, tp, sp, seq, mbs, bf16) -> dict:
         "num_attention_heads": m.num_attention_heads, "num_query_groups": m.kv_groups,
         "seq_length": seq, "micro_batch_size": mbs, "dtype": "bf16" if bf16 else "fp32",
         "tensor_model_parallel_size": tp, "sequence_parallel": sp, "world_size": world,
+        **({"num_experts": m.num_experts, "moe_router_topk": m.moe_router_topk,
+            "expert_model_parallel_size": ep} if m.num_experts else {}),
         "node_ids": node_ids(world), "hardware": hardware(), "host": socket.gethostname(),
         "versions": {"torch": torch.__version__,
                      "megatron-core": getattr(megatron.core, "__version__", "?"),
@@ -53,7 +55,7 @@ def profile_layer(harness, m, bf16: bool, warmup: int = 1, repeats: int = 5,
     todo = [(i, j) for i in range(nf) for j in range(nb)
             if pairs == "all" or concurrent(ops.forward[i], ops.backward[j])]
     table = CostTable.empty(ops, provenance(m, harness.tp, harness.sp, harness.seq,
-                                            harness.mbs, bf16))
+                                            harness.mbs, bf16, harness.ep))
     table.provenance.update({"warmup": warmup, "repeats": repeats, "statistic": "median",
                              "pairs": pairs})
     bar = tqdm(total=nf + nb + len(todo) + 1, desc="dhelix profile", unit="meas",

@@ -25,6 +25,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="Megatron sequence parallelism (needs TP > 1)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and math (default fp32)")
     g.add_argument("--seed", type=int, default=1234, help="random seed (default: %(default)s)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
+                   help="MoE: experts split over P ranks of the data-parallel group, tokens "
+                        "exchanged by all-to-all (default: %(default)s)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, metavar="T",
+                   help="MoE: TP inside each expert, 1 or the TP size (default: the TP size, "
+                        "as megatron; on CPU with TP > 1 give 1: gloo cannot all-gather the "
+                        "uneven token counts)")
+    g.add_argument("--num-experts", type=int, default=None, metavar="E",
+                   help="MoE: every layer's MLP becomes megatron's MoE block with E experts "
+                        "(default: the model config's; tiny-moe has 4)")
+    g.add_argument("--moe-router-topk", type=int, default=None, metavar="K",
+                   help="MoE: experts per token (default: the model config's, 2)")
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -50,18 +62,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    metavar="N", help="megatron's interleaved (VPP) schedule: N layers per "
                                      "model chunk, several chunks per stage")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
-                   help="MoE: experts split over P ranks of the data-parallel group, tokens "
-                        "exchanged by all-to-all (default: %(default)s)")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, metavar="T",
-                   help="MoE: TP inside each expert, 1 or the TP size (default: the TP size, "
-                        "as megatron; on CPU with TP > 1 give 1: gloo cannot all-gather the "
-                        "uneven token counts)")
-    g.add_argument("--num-experts", type=int, default=None, metavar="E",
-                   help="MoE: every layer's MLP becomes megatron's MoE block with E experts "
-                        "(default: the model config's; tiny-moe has 4)")
-    g.add_argument("--moe-router-topk", type=int, default=None, metavar="K",
-                   help="MoE: experts per token (default: the model config's, 2)")
     g.add_argument("--data-parallel-size", type=int, default=None,
                    help="checked against the world size; inferred when omitted")
     g.add_argument("--overlap-grad-reduce", action="store_true",
