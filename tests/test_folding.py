@@ -253,6 +253,9 @@ def test_bench_pipeline_rows(tmp_path):
     md = open(out + ".md").read()
     assert "| tiny4 | none | dhelix-fold |" in md
     assert os.path.getsize(out + ".png") > 1000
+    import re
+    work = re.search(r"runs under (\S+)\)", r.stdout).group(1)
+    assert os.path.exists(os.path.join(work, "table-tiny4-none.json"))   # profiled, not guessed
 
 
 @pytest.mark.parametrize("G,N", [(2, 4), (3, 6), (3, 4), (4, 8), (4, 16)])

@@ -32,6 +32,9 @@ from dhelix.links import parse_link
 
 METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan")
 PP_METHODS = ("megatron-1f1b", "megatron-interleaved", "dhelix-fold")
+# MoE: the intra-batch peer splits dense layers only; megatron's own fwd∥bwd overlap for
+# MoE (combined 1F1B, --overlap-moe-expert-parallel-comm) needs CUDA streams and events
+EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
 
 
 def register(sub):
@@ -51,6 +54,10 @@ def register(sub):
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="G",
                    help="G > 1: compare the pipeline schedules (1F1B, interleaved, DHelix "
                         "fold) on TP × G ranks (default: %(default)s)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
+                   help="MoE configs (tiny-moe, small-moe): experts over P ranks, all-to-all "
+                        "between them; rows megatron, DHelix trivial, DHelix plan "
+                        "(default: %(default)s)")
     p.add_argument("--num-microbatches", type=int, default=8,
                    help="micro-batches per step (default: %(default)s)")
     p.add_argument("--train-iters", type=int, default=6,
@@ -135,6 +142,9 @@ def _argv(a, cfg, out_json, method, cluster, trace):
     elif method in ("dhelix-plan", "dhelix-fold"):
         argv += ["--dhelix"] + (["--dhelix-overlap-table", cluster]
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
+    if a.expert_model_parallel_size > 1:
+        argv += ["--expert-model-parallel-size", str(a.expert_model_parallel_size),
+                 "--expert-tensor-parallel-size", "1"]
     if pp > 1:
         # every schedule starts from one PP=1 checkpoint: megatron would initialise each
         # layout's stages from different seeds
@@ -153,7 +163,8 @@ def _profile_argv(a, cfg, out_table):
     return ["profile", "--config", cfg, "--tensor-model-parallel-size",
             str(a.tensor_model_parallel_size), "--sequence-parallel", "--seq-length",
             str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size), "--warmup", "1",
-            "--repeats", str(a.profile_repeats), "--out", out_table]
+            "--repeats", str(a.profile_repeats), "--out", out_table,
+            "--expert-model-parallel-size", str(a.expert_model_parallel_size)]
 
 
 def _trace_totals(path: str) -> Dict[str, float]:
@@ -179,7 +190,7 @@ def rewrite(json_path: str, out: str) -> None:
     if pp:
         plot(rows, out + ".png", PP_METHODS, "megatron 1F1B")
     else:
-        plot(rows, out + ".png")
+        plot(rows, out + ".png", [m for m in METHODS if any(r["method"] == m for r in rows)])
 
 
 def run(a, argv) -> int:
@@ -198,7 +209,8 @@ def run(a, argv) -> int:
     work = tempfile.mkdtemp(prefix="dhelix-bench-")
     log = os.path.join(work, "runs.log")
     rows: List[dict] = []
-    methods = PP_METHODS if a.pipeline_model_parallel_size > 1 else METHODS
+    methods = PP_METHODS if a.pipeline_model_parallel_size > 1 else \
+        EP_METHODS if a.expert_model_parallel_size > 1 else METHODS
     per = len(methods) * a.rounds + (a.planner_source == "table")
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
@@ -217,10 +229,12 @@ def run(a, argv) -> int:
                         if rc != 0:
                             raise RuntimeError(f"{cfg}: the initial checkpoint failed (exit "
                                                f"{rc}); see {log}")
+                    if a.planner_source == "table":
                         cluster = os.path.join(work, f"table-{cfg}-{link}.json")
                         bar.set_postfix_str(f"{cfg} {link} profile")
-                        # the layer's TP group alone: the table is per layer
-                        rc = spawn_local(a.tensor_model_parallel_size,
+                        # the layer's TP (× EP) group alone: the table is per layer
+                        rc = spawn_local(a.tensor_model_parallel_size *
+                                         a.expert_model_parallel_size,
                                          _profile_argv(a, cfg, cluster), prefix=prefix,
                                          extra_env=env, timeout_s=3600, log=log)
                         if rc != 0:
@@ -255,7 +269,7 @@ def run(a, argv) -> int:
                     if a.pipeline_model_parallel_size > 1:
                         rows += _pp_rows(a, cfg, link, res, cluster)
                     else:
-                        rows += _rows(cfg, link, res, _trace_totals(trace))
+                        rows += _rows(cfg, link, res, _trace_totals(trace), methods)
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2
@@ -272,12 +286,12 @@ def run(a, argv) -> int:
     if a.pipeline_model_parallel_size > 1:
         plot(rows, a.out + ".png", PP_METHODS, "megatron 1F1B")
     else:
-        plot(rows, a.out + ".png")
+        plot(rows, a.out + ".png", methods)
     print(f"dhelix bench: wrote {a.out}.md, {a.out}.json, {a.out}.png (runs under {work})")
     return 0
 
 
-def _rows(cfg, link, res, tr) -> List[dict]:
+def _rows(cfg, link, res, tr, methods=METHODS) -> List[dict]:
     base = step_time(res["megatron"])
     triv = step_time(res["dhelix-trivial"])
     comp, comm = tr["layer_compute_s"], tr["layer_comm_s"]
@@ -285,7 +299,7 @@ def _rows(cfg, link, res, tr) -> List[dict]:
     lower = rest + max(comp, comm)
     exposed = max(base - (rest + comp), 1e-9)   # the baseline's time beyond compute
     out = []
-    for m in METHODS:
+    for m in methods:
         t = step_time(res[m])
         out.append({
             "config": cfg, "link": link, "method": m, "step_s": t,

@@ -62,8 +62,10 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
                 from dhelix.planner.costmodel import ClusterError, analytical_table, load_cluster
                 path = find_named_yaml(cluster, "clusters", "--dhelix-cluster", "cluster",
                                        ClusterError)
-                table = analytical_table(layer_ops, load_cluster(path),
-                                         {"tp": layer_ops.shape["tp"]},
+                groups = {"tp": layer_ops.shape["tp"]}
+                if "ep" in layer_ops.shape:                   # a MoE layer
+                    groups["ep"] = layer_ops.shape["ep"]
+                table = analytical_table(layer_ops, load_cluster(path), groups,
                                          dtype="bf16" if layer_ops.shape["dtype_bytes"] == 2
                                          else "fp32")
             return dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force)
