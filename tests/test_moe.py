@@ -61,7 +61,7 @@ def test_moe_flags_and_refusals():
     assert load_model_config("phi-3.5-moe").num_experts == 16
 
 
-@pytest.mark.parametrize("world,tp,plans,zero", [(2, 1, 30, False), (4, 2, 8, False),
+@pytest.mark.parametrize("world,tp,plans,zero", [(2, 1, 30, False), (4, 2, 30, False),
                                                  (2, 1, 4, True)],
                          ids=["ep2", "ep2-tp2sp", "ep2-all-to-one-rank"])
 def test_dhelix_moe_layer_matches_megatron(world, tp, plans, zero):
