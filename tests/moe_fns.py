@@ -31,7 +31,7 @@ def unbalanced_moe_layer():
             "x_grad": float(x.grad.abs().sum())}
 
 
-def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2):
+def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2, shared=None):
     """megatron's MoE TransformerLayer and the DHelix layer with identical weights."""
     import torch
     from megatron.core import parallel_state
@@ -51,7 +51,9 @@ def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2):
                                              expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=1)
     model_parallel_cuda_manual_seed(seed)
-    m = load_model_config("tiny-moe")
+    import dataclasses
+    m = dataclasses.replace(load_model_config("tiny-moe"),
+                            moe_shared_expert_intermediate_size=shared)
     cfg = transformer_config(m, tp=tp, sequence_parallel=tp > 1, ep=ep, etp=1)
     torch.manual_seed(seed)
     ref = build_module(layer_spec(TransformerLayer, m.num_experts), config=cfg, layer_number=1)
@@ -63,7 +65,8 @@ def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2):
     return ref, dh, cfg, rope
 
 
-def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=False):
+def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=False,
+                      shared=None):
     """The DHelix MoE layer under the trivial, paired and `plans` random legal plans vs
     megatron's MoE layer: α's output, β's input grad, every parameter grad. With
     `zero_router` every token ties and goes to the same two experts (one EP rank)."""
@@ -74,7 +77,7 @@ def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=F
 
     from dhelix.planner.enumerate import random_legal_plan
     from dhelix.planner.plan import paired_plan, trivial_plan
-    ref, dh, cfg, rope = setup_moe_layer(tp, ep, seq=seq, mbs=mbs)
+    ref, dh, cfg, rope = setup_moe_layer(tp, ep, seq=seq, mbs=mbs, shared=shared)
     if zero_router:
         with torch.no_grad():
             for layer in (ref, dh):

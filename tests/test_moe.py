@@ -61,26 +61,29 @@ def test_moe_flags_and_refusals():
     assert load_model_config("phi-3.5-moe").num_experts == 16
 
 
-@pytest.mark.parametrize("world,tp,plans,zero", [(2, 1, 30, False), (4, 2, 30, False),
-                                                 (2, 1, 4, True)],
-                         ids=["ep2", "ep2-tp2sp", "ep2-all-to-one-rank"])
-def test_dhelix_moe_layer_matches_megatron(world, tp, plans, zero):
+@pytest.mark.parametrize("world,tp,plans,zero,shared", [
+    (2, 1, 30, False, None), (4, 2, 30, False, None), (2, 1, 4, True, None),
+    (2, 1, 10, False, 96), (4, 2, 4, False, 96)],
+    ids=["ep2", "ep2-tp2sp", "ep2-all-to-one-rank", "ep2-shared", "ep2-tp2sp-shared"])
+def test_dhelix_moe_layer_matches_megatron(world, tp, plans, zero, shared):
     """Output, input grad and every parameter grad (router, every local expert, norms,
     attention) equal megatron's MoE layer (≤1e-6; it is bit-identical here) for the
     trivial, paired and random legal plans; the same state dict and sharded keys."""
     import moe_fns
     rs = run_ranks(moe_fns.moe_layer_matches, world, timeout=400, tp=tp, ep=2, plans=plans,
-                   zero_router=zero)
+                   zero_router=zero, shared=shared)
     for r in rs:
         assert r["worst"] <= 1e-6, r
         assert r["plans"] == plans + 2 and r["state_dict_same"] and r["sharded_same"]
         assert r["n_grads"] >= 6 and len(r["a2a"]) == 4
 
 
-def test_dhelix_moe_training_matches_the_baseline():
+@pytest.mark.parametrize("shared", [None, 96], ids=["routed", "with-shared-experts"])
+def test_dhelix_moe_training_matches_the_baseline(shared):
     """10 steps, EP=2 on 2 ranks: --dhelix's losses, every step's per-parameter gradient
-    checksums and the final weights equal megatron's."""
-    kw = dict(MOE, train_iters=10, expert_model_parallel_size=2, checksums=True)
+    checksums and the final weights equal megatron's (with and without shared experts)."""
+    kw = dict(MOE, train_iters=10, expert_model_parallel_size=2, checksums=True,
+              moe_shared_expert_intermediate_size=shared)
     base = run_ranks(train_result, 2, timeout=300, **kw)
     dh = run_ranks(train_result, 2, timeout=300, dhelix={"enabled": True}, **kw)
     assert dh[0]["config"]["schedule"] != base[0]["config"]["schedule"]

@@ -34,6 +34,7 @@ class ModelConfig:
     num_experts: Optional[int] = None              # MoE: experts per MoE layer (every layer)
     moe_router_topk: int = 2
     moe_aux_loss_coeff: float = 1e-2               # megatron's load-balancing loss weight
+    moe_shared_expert_intermediate_size: Optional[int] = None   # shared experts' FFN size
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_method_std: float = 0.02

@@ -57,6 +57,7 @@ def _moe(m: ModelConfig, ep: int, etp: int) -> dict:
                 moe_token_dispatcher_type="alltoall",
                 moe_router_load_balancing_type="aux_loss",
                 moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_grouped_gemm=False,
+                moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
                 moe_permute_fusion=False)
 
 

@@ -115,13 +115,16 @@ class SDPAttention(MegatronModule):
 
 def moe_spec() -> ModuleSpec:
     """megatron-core's local MoE block: top-k router, all-to-all token dispatcher (by the
-    config), `SequentialMLP` experts of megatron linears — as `get_gpt_layer_local_spec(
-    num_experts=...)` builds it without grouped GEMM."""
+    config), `SequentialMLP` experts of megatron linears, and shared experts (built only
+    when the config sets moe_shared_expert_intermediate_size) — as
+    `get_gpt_layer_local_spec(num_experts=...)` builds it without grouped GEMM."""
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=MLPSubmodules(
-            linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))))
+        experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
+        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp)))
 
 
 def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None) -> ModuleSpec:

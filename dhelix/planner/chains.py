@@ -17,7 +17,8 @@ from dhelix.planner.opspec import COMM, COMPUTE, OpSpec
 
 
 def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
-                 ep_lane: str = "intra") -> Tuple[List[OpSpec], List[OpSpec]]:
+                 ep_lane: str = "intra",
+                 shared_experts: bool = False) -> Tuple[List[OpSpec], List[OpSpec]]:
     """(forward, backward) OpSpecs of a layer with TP `tp` (sequence parallel `sp`); TP
     collectives run on `lane` (intra or inter, by the TP group's node membership). With
     `moe` the MLP is megatron's MoE block with the all-to-all dispatcher (experts not
@@ -62,16 +63,19 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
          C("fc2_wgrad", wgrad=True, after="fc2_dgrad"), C("act_b"),
          *column_backward("mlp", "act_b", "fc1"), C("ln_mlp_b")] + b_attn
     if moe:
-        f_moe, b_moe = moe_chains(ep_lane)
+        f_moe, b_moe = moe_chains(ep_lane, shared_experts)
         return f_attn + f_moe, b_moe + b_attn
     return f, b
 
 
-def moe_chains(ep_lane: str) -> Tuple[List[OpSpec], List[OpSpec]]:
+def moe_chains(ep_lane: str, shared_experts: bool = False
+               ) -> Tuple[List[OpSpec], List[OpSpec]]:
     """The MLP part of a MoE layer: router, permute, dispatch all-to-all, sort the
     received tokens by local expert, the experts' GEMMs (dgrad and wgrad apart), unsort,
     combine all-to-all, unpermute. Tokens are the local
-    sequence shard (megatron's MoE needs sequence parallel with TP), so no TP collective."""
+    sequence shard (megatron's MoE needs sequence parallel with TP), so no TP collective.
+    Shared experts, if any, are one op each way, placed beside the dispatch all-to-all
+    (their input is the norm's output, their output is added after unpermute)."""
     def C(name, **kw):
         return OpSpec(name, COMPUTE, "compute", **kw)
 
@@ -80,9 +84,13 @@ def moe_chains(ep_lane: str) -> Tuple[List[OpSpec], List[OpSpec]]:
     f = [C("ln_mlp"), C("router"), C("permute"), A("a2a_dispatch"), C("sort_chunks"),
          C("experts_fc1"), C("experts_act"), C("experts_fc2"), C("unsort_chunks"),
          A("a2a_combine"), C("unpermute"), C("bda_mlp")]
+    if shared_experts:
+        f.insert(f.index(f[3]) + 1, C("shared_experts"))
     b = [C("bda_mlp_b"), C("unpermute_b"), A("a2a_combine_b"), C("unsort_chunks_b"),
          C("experts_fc2_dgrad"), C("experts_fc2_wgrad", wgrad=True, after="experts_fc2_dgrad"),
          C("experts_act_b"), C("experts_fc1_dgrad"),
          C("experts_fc1_wgrad", wgrad=True, after="experts_act_b"), C("sort_chunks_b"),
          A("a2a_dispatch_b"), C("permute_b"), C("router_b"), C("ln_mlp_b")]
+    if shared_experts:
+        b.insert(b.index(b[2]) + 1, C("shared_experts_b"))
     return f, b

@@ -65,7 +65,12 @@ def _moe_estimates(cfg, z, Tl, g, ew):
     f1 = f * (2 if cfg.gated_linear_unit else 1)
     R = Tl * k                                    # routed rows on this rank
     routed = R * h * dt
+    fs = getattr(cfg, "moe_shared_expert_intermediate_size", None) or 0
+    fs1 = fs * (2 if cfg.gated_linear_unit else 1)
+    shared = g(Tl, h, fs1) + g(Tl, fs, h)
     return {
+        "shared_experts": (shared, 0, Tl * (h + fs1 + fs) * dt),
+        "shared_experts_b": (2 * shared, 0, Tl * (h + fs1 + fs) * dt),
         "router": (g(Tl, h, E), 0, Tl * E * 4), "permute": (ew(R * h), 0, 0),
         "experts_fc1": (g(R, h, f1), 0, R * h * dt), "experts_act": (ew(R * f1), 0, R * f1 * dt),
         "experts_fc2": (g(R, f, h), 0, R * f * dt), "unpermute": (ew(R * h), 0, routed),
@@ -112,6 +117,7 @@ class LayerShape:
     fp16: bool = False
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: Optional[int] = None
 
     @staticmethod
     def of(cfg) -> "LayerShape":
@@ -119,7 +125,7 @@ class LayerShape:
         return LayerShape(cfg.hidden_size, cfg.num_attention_heads, cfg.ffn_hidden_size,
                           cfg.kv_channels, cfg.num_query_groups, bool(cfg.gated_linear_unit),
                           bool(cfg.bf16), bool(cfg.fp16), cfg.num_moe_experts,
-                          cfg.moe_router_topk)
+                          cfg.moe_router_topk, cfg.moe_shared_expert_intermediate_size)
 
     @staticmethod
     def of_model(m, bf16: bool = False) -> "LayerShape":
@@ -127,7 +133,7 @@ class LayerShape:
         return LayerShape(m.hidden_size, m.num_attention_heads, m.ffn_hidden_size,
                           m.hidden_size // m.num_attention_heads, m.kv_groups,
                           m.activation == "swiglu", bool(bf16), False, m.num_experts,
-                          m.moe_router_topk)
+                          m.moe_router_topk, m.moe_shared_expert_intermediate_size)
 
 
 def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length: int,
@@ -158,6 +164,7 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
                              f"EP={ep}")
     elif ep > 1:
         raise ValueError(f"EP={ep} for a model without experts")
-    fwd, bwd = layer_chains(tp, sp, lane, moe=moe, ep_lane=ep_lane)
+    fwd, bwd = layer_chains(tp, sp, lane, moe=moe, ep_lane=ep_lane,
+                            shared_experts=bool(model_cfg.moe_shared_expert_intermediate_size))
     return estimate_layer_ops(fwd, bwd, LayerShape.of_model(model_cfg, bf16), tp, sp,
                               seq_length, micro_batch_size, ep)

@@ -47,8 +47,9 @@ def _on_ranks(a, argv, body) -> int:
 
     def on_rank():
         from dhelix.train.trainer import TrainConfig, model_of
-        m = model_of(TrainConfig(config=a.config, num_experts=a.num_experts,
-                                 moe_router_topk=a.moe_router_topk))
+        m = model_of(TrainConfig(
+            config=a.config, num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+            moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size))
         info = init_distributed()
         tp, ep = a.tensor_model_parallel_size, a.expert_model_parallel_size
         if info.world_size % tp or (info.world_size // tp) % ep:

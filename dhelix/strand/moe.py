@@ -45,8 +45,10 @@ class MoEProgram(LayerProgram):
         if self.disp.tp_size > 1:
             raise ValueError("DHelix MoE layer: experts split over TP are not supported; "
                              "use --expert-tensor-parallel-size 1")
-        if getattr(moe, "use_shared_expert", False):
-            raise ValueError("DHelix MoE layer: shared experts are not supported yet")
+        self.shared = bool(getattr(moe, "use_shared_expert", False))
+        if self.shared and (moe.shared_expert_overlap or moe.shared_experts.use_shared_expert_gate):
+            raise ValueError("DHelix MoE layer: shared experts with megatron's own overlap "
+                             "or a gate are not supported")
         if self.disp.drop_and_pad or cfg.moe_expert_capacity_factor is not None:
             raise ValueError("DHelix MoE layer: token dropping (capacity factor) is not "
                              "supported")
@@ -64,7 +66,8 @@ class MoEProgram(LayerProgram):
         self.router_params = [p for p in moe.router.parameters() if p.requires_grad]
 
     def _chains(self):
-        return layer_chains(self.tp, self.sp, self.lane, moe=True, ep_lane=self.ep_lane)
+        return layer_chains(self.tp, self.sp, self.lane, moe=True, ep_lane=self.ep_lane,
+                            shared_experts=self.shared)
 
     def _mlp_fns(self) -> Dict[str, Callable]:
         return {
@@ -83,6 +86,7 @@ class MoEProgram(LayerProgram):
             "sort_chunks_b": self._sort_chunks_b, "a2a_dispatch_b": self._a2a_dispatch_b,
             "permute_b": self._permute_b, "router_b": self._router_b,
             "ln_mlp_b": self._moe_ln_mlp_b,
+            "shared_experts": self._shared, "shared_experts_b": self._shared_b,
         }
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -132,6 +136,10 @@ class MoEProgram(LayerProgram):
         S.put("g:router", ((x,), (probs,)))
         return probs.detach(), rmap
 
+    def _shared(self, S):
+        (out,) = self._graph(S, ("ln2",), "g:shared", lambda x: (self.moe.shared_experts(x),))
+        S.put("moe_shared", out)
+
     def _permute(self, S):
         rmap = S.get("moe_map")
         tokens, pprobs = self._graph(
@@ -140,7 +148,9 @@ class MoEProgram(LayerProgram):
         S.put("moe_routing", {k: getattr(self.disp, k, None) for k in _ROUTING})
         S.put("moe_tokens", tokens)
         S.put("moe_pprobs", pprobs)
-        S.drop("ln2", "moe_probs", "moe_map")
+        S.drop("moe_probs", "moe_map")
+        if not self.shared:
+            S.drop("ln2")
 
     def _a2a_dispatch(self, S):
         r = S.get("moe_routing")
@@ -218,6 +228,9 @@ class MoEProgram(LayerProgram):
         self._restore(S)
         (out,) = self._graph(S, ("moe_ctokens",), "g:unpermute",
                              lambda t: (self.disp.combine_postprocess(t),))
+        if self.shared:                      # megatron: output + shared_expert_output
+            out = out + S.get("moe_shared")
+            S.drop("moe_shared")
         S.put("mlp_out", out)
         S.drop("moe_ctokens")
 
@@ -225,6 +238,13 @@ class MoEProgram(LayerProgram):
     def _unpermute_b(self, S):
         (g,) = self._graph_grad(S, "g:unpermute", [S.get("g_mlp_out")])
         S.put("g_moe_ctokens", g)
+        if not self.shared:
+            S.drop("g_mlp_out")
+
+    def _shared_b(self, S):
+        (g,) = self._graph_grad(S, "g:shared", [S.get("g_mlp_out")],
+                                list(self.moe.shared_experts.parameters()))
+        S.put("g_ln2_shared", g)
         S.drop("g_mlp_out")
 
     def _a2a_combine_b(self, S):
@@ -294,9 +314,12 @@ class MoEProgram(LayerProgram):
         S.drop("g_moe_probs")
 
     def _moe_ln_mlp_b(self, S):
-        # the norm's output fed the router and the permute: its grad is their sum
+        # the norm's output fed the router and the permute (and the shared experts): its
+        # grad is their sum, in the order megatron's autograd adds them
         g = S.get("g_ln2_perm") + S.get("g_ln2_router")
-        S.drop("g_ln2_perm", "g_ln2_router")
+        if self.shared:
+            g = g + S.get("g_ln2_shared")
+        S.drop("g_ln2_perm", "g_ln2_router", "g_ln2_shared")
         (gx,) = self._grad(S, "g:ln2", g.view(S.get("g_h1_res").shape),
                            [self.layer.pre_mlp_layernorm.weight,
                             getattr(self.layer.pre_mlp_layernorm, "bias", None)])

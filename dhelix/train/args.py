@@ -35,6 +35,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-experts", type=int, default=None, metavar="E",
                    help="MoE: every layer's MLP becomes megatron's MoE block with E experts "
                         "(default: the model config's; tiny-moe has 4)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   metavar="F", help="MoE: add megatron's shared experts, FFN size F "
+                                     "(default: the model config's, none)")
     g.add_argument("--moe-router-topk", type=int, default=None, metavar="K",
                    help="MoE: experts per token (default: the model config's, 2)")
 
@@ -101,6 +104,7 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         expert_model_parallel_size=a.expert_model_parallel_size,
         expert_tensor_parallel_size=a.expert_tensor_parallel_size,
         num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+        moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
         save=a.save, load=a.load,
         data_parallel_size=a.data_parallel_size, sequence_parallel=a.sequence_parallel,
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,

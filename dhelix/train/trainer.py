@@ -32,6 +32,7 @@ class TrainConfig:
     expert_tensor_parallel_size: Optional[int] = None   # default: TP, as in megatron
     num_experts: Optional[int] = None            # MoE: overrides the model config's
     moe_router_topk: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
     data_parallel_size: Optional[int] = None     # inferred from the world size if None
     sequence_parallel: bool = False
     micro_batch_size: int = 2
@@ -75,7 +76,9 @@ def model_of(cfg: TrainConfig) -> ModelConfig:
     import dataclasses
     m = load_model_config(cfg.config)
     over = {k: v for k, v in (("num_experts", cfg.num_experts),
-                              ("moe_router_topk", cfg.moe_router_topk)) if v is not None}
+                              ("moe_router_topk", cfg.moe_router_topk),
+                              ("moe_shared_expert_intermediate_size",
+                               cfg.moe_shared_expert_intermediate_size)) if v is not None}
     if over:
         m = dataclasses.replace(m, **over)
         m.check(f"--config {cfg.config} with --num-experts/--moe-router-topk")
