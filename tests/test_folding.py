@@ -1,7 +1,5 @@
 """The U-folded pipeline: placement, order, training like megatron's 1F1B, checkpoints
 across layouts, refusals, a dead stage."""
-import os
-
 import pytest
 
 from dhelix.folding.order import folded_order
@@ -230,18 +228,9 @@ def test_bench_pipeline_rows(tmp_path):
     """`dhelix bench --pipeline-model-parallel-size 2`: the three schedules trained from
     one checkpoint on the same data (the same losses), per-stage memory and idle share
     measured, the simulator's prediction beside them."""
-    import json
-    import subprocess
-    import sys
-    out = str(tmp_path / "b")
-    r = subprocess.run([sys.executable, "-m", "dhelix.cli", "bench", "--configs", "tiny4",
-                        "--links", "none", "--nproc", "2", "--tensor-model-parallel-size", "1",
-                        "--pipeline-model-parallel-size", "2", "--seq-length", "32",
-                        "--micro-batch-size", "1", "--num-microbatches", "4",
-                        "--train-iters", "2", "--profile-repeats", "1", "--out", out],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.load(open(out + ".json"))["rows"]
+    from bench_fns import run_bench
+    rows, out, _ = run_bench(tmp_path, "tiny4", "--pipeline-model-parallel-size", "2",
+                             "--micro-batch-size", "1")
     assert [x["method"] for x in rows] == ["megatron-1f1b", "megatron-interleaved",
                                            "dhelix-fold"]
     for x in rows:
@@ -250,12 +239,8 @@ def test_bench_pipeline_rows(tmp_path):
         assert x["sim_step_s"] > 0 and 0.0 <= x["sim_bubble"] < 1.0
         assert abs(x["final_loss"] - rows[0]["final_loss"]) <= 1e-5 * abs(x["final_loss"])
     assert rows[0]["speedup"] == 1.0 and rows[0]["sim_speedup"] == 1.0
-    md = open(out + ".md").read()
-    assert "| tiny4 | none | dhelix-fold |" in md
-    assert os.path.getsize(out + ".png") > 1000
-    import re
-    work = re.search(r"runs under (\S+)\)", r.stdout).group(1)
-    assert os.path.exists(os.path.join(work, "table-tiny4-none.json"))   # profiled, not guessed
+    assert "| tiny4 | none | dhelix-fold |" in open(out + ".md").read()
+
 
 
 @pytest.mark.parametrize("G,N", [(2, 4), (3, 6), (3, 4), (4, 8), (4, 16)])

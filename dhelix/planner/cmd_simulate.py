@@ -85,15 +85,11 @@ def cmd_simulate(a, argv) -> int:
                                         for lane, v in busy.items()))
     png = a.png or _default_beside(a.plan, ".png")
     trace = a.trace or _default_beside(a.plan, ".trace.json")
-    try:
-        plot_timeline(res, png, title=f"{os.path.basename(a.plan)}: makespan "
-                                      f"{fmt_time(res.makespan)} (trivial "
-                                      f"{fmt_time(triv.makespan)}), peak "
-                                      f"{fmt_bytes(res.peak_bytes)}")
-        with open(trace, "w") as f:
-            json.dump(to_chrome_trace(res), f)
-    except OSError as e:
-        return _fail("simulate", CliError(f"cannot write output: {e}"))
+    title = (f"{os.path.basename(a.plan)}: makespan {fmt_time(res.makespan)} (trivial "
+             f"{fmt_time(triv.makespan)}), peak {fmt_bytes(res.peak_bytes)}")
+    if not _write_pictures(lambda: plot_timeline(res, png, title=title), trace,
+                           lambda: to_chrome_trace(res)):
+        return 2
     print(f"wrote {png} (timeline) and {trace} (Chrome trace: chrome://tracing or Perfetto)")
     if a.pipeline_model_parallel_size and a.pipeline_model_parallel_size > 1:
         return _simulate_pipeline(a, layer, plan, costs, shape, cluster, force)
@@ -133,15 +129,24 @@ def _simulate_pipeline(a, layer, plan, costs, shape, cluster, force) -> int:
           f"{max(fold.peak_bytes) / max(base.peak_bytes):.2f}x")
     png = a.pipeline_png or _default_beside(a.plan, ".pipeline.png")
     trace = os.path.splitext(png)[0] + ".trace.json"
-    try:
-        draw_pipelines(res, png, title=f"{os.path.basename(a.plan)}: {L} layers, PP={G}, "
-                                       f"{N} micro-batches")
-        with open(trace, "w") as f:
-            json.dump(pipeline_trace(res), f)
-    except OSError as e:
-        return _fail("simulate", CliError(f"cannot write output: {e}"))
+    title = f"{os.path.basename(a.plan)}: {L} layers, PP={G}, {N} micro-batches"
+    if not _write_pictures(lambda: draw_pipelines(res, png, title=title), trace,
+                           lambda: pipeline_trace(res)):
+        return 2
     print(f"wrote {png} (stage × time per schedule) and {trace} (Chrome trace)")
     return 0
+
+
+def _write_pictures(draw, trace: str, trace_json) -> bool:
+    """The PNG and the Chrome trace; an unwritable path is one error line."""
+    try:
+        draw()
+        with open(trace, "w") as f:
+            json.dump(trace_json(), f)
+    except OSError as e:
+        _fail("simulate", CliError(f"cannot write output: {e}"))
+        return False
+    return True
 
 
 def _p2p_seconds(a, shape, m, cluster):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dhelix.planner.chains import layer_chains
-from dhelix.strand.program import LayerProgram, _traced, _wgrad
+from dhelix.strand.program import LayerProgram, _traced, _wgrad, mlp_activation
 
 # the dispatcher's per-micro-batch routing, set by dispatch_preprocess
 _ROUTING = ("hidden_shape", "probs", "routing_map", "tokens_per_expert",
@@ -181,16 +181,7 @@ class MoEProgram(LayerProgram):
 
     def _act_one(self, x, probs):
         """megatron MLP's unfused activation, then the per-token routing weight."""
-        cfg = self.cfg
-        if cfg.gated_linear_unit:
-            x_glu, x_lin = torch.chunk(x, 2, dim=-1)
-            val = getattr(cfg, "activation_func_clamp_value", None)
-            if val is not None:
-                x_glu = x_glu.clamp(min=None, max=val)
-                x_lin = x_lin.clamp(min=-val, max=val)
-            y = cfg.activation_func(x_glu) * (x_lin + getattr(cfg, "glu_linear_offset", 0.0))
-        else:
-            y = cfg.activation_func(x)
+        y = mlp_activation(self.cfg, x, None, self.cfg.activation_func)
         return (y * probs.unsqueeze(-1)).to(y.dtype)
 
     def _experts_act(self, S):

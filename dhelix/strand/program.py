@@ -72,6 +72,20 @@ def _wgrad(g: torch.Tensor, x: torch.Tensor):
     return g, g.t().matmul(x)
 
 
+def mlp_activation(cfg, x, bias, activation_func):
+    """megatron MLP's unfused bias + activation (incl. gated linear units)."""
+    if bias is not None:
+        x = x + bias
+    if cfg.gated_linear_unit:
+        x_glu, x_lin = torch.chunk(x, 2, dim=-1)
+        val = getattr(cfg, "activation_func_clamp_value", None)
+        if val is not None:
+            x_glu = x_glu.clamp(min=None, max=val)
+            x_lin = x_lin.clamp(min=-val, max=val)
+        return cfg.activation_func(x_glu) * (x_lin + getattr(cfg, "glu_linear_offset", 0.0))
+    return activation_func(x)
+
+
 class LayerProgram:
     """The op chains of one DHelix layer, bound to its parameters and TP group."""
 
@@ -228,18 +242,7 @@ class LayerProgram:
         S.drop("ln2_full")
 
     def _activation(self, x):
-        """megatron MLP's unfused bias + activation (incl. gated linear units)."""
-        cfg = self.cfg
-        if self.b_fc1 is not None:
-            x = x + self.b_fc1
-        if cfg.gated_linear_unit:
-            x_glu, x_lin = torch.chunk(x, 2, dim=-1)
-            val = getattr(cfg, "activation_func_clamp_value", None)
-            if val is not None:
-                x_glu = x_glu.clamp(min=None, max=val)
-                x_lin = x_lin.clamp(min=-val, max=val)
-            return cfg.activation_func(x_glu) * (x_lin + getattr(cfg, "glu_linear_offset", 0.0))
-        return self.mlp.activation_func(x)
+        return mlp_activation(self.cfg, x, self.b_fc1, self.mlp.activation_func)
 
     def _act(self, S):
         S.put("act", self._local(S, "fc1_out", "g:act", self._activation, owned=True))
