@@ -150,3 +150,14 @@ def test_bench_expert_parallel_rows(tmp_path):
     assert [x["method"] for x in rows] == ["megatron", "dhelix-trivial", "dhelix-plan"]
     assert len({x["final_loss"] for x in rows}) == 1
     assert rows[0]["layer_comm_s"] > 0           # the all-to-alls are in the trace
+
+
+def test_dhelix_moe_plans_from_a_cluster_file():
+    """`--dhelix --dhelix-cluster a800` on a MoE model: the analytical table sizes the EP
+    group too (it once named only tp, and the run failed), and the planned run trains
+    to megatron's losses."""
+    kw = dict(MOE, train_iters=3, expert_model_parallel_size=2)
+    base = run_ranks(train_losses, 2, timeout=300, **kw)[0]
+    dh = run_ranks(train_losses, 2, timeout=300,
+                   dhelix={"enabled": True, "cluster": "a800"}, **kw)[0]
+    assert dh == base

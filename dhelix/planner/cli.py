@@ -236,16 +236,14 @@ def load_costs(layer, shape: Optional[dict], table: Optional[str], cluster: Opti
                 msg += f" [this layer: {shape_str(shape)}; pass --force to use the table anyway]"
             raise TableError(msg)
         return t, {"kind": "table", "path": os.path.abspath(table), "forced": bool(force)}
-    from dhelix.planner.costmodel import analytical_table, load_cluster
+    from dhelix.planner.costmodel import analytical_table, group_sizes_of, load_cluster
     if shape is None:
         raise CliError("the analytical cost model needs the layer's TP size and dtype; give "
                        "the shape flags (--config, --tensor-model-parallel-size, --bf16, ...)")
     path = resolve_cluster(cluster)
     c = load_cluster(path)
     name = c.get("name") or os.path.splitext(os.path.basename(path))[0]
-    groups = {"tp": int(shape["tp"])}
-    if any(o.group == "ep" for o in list(layer.forward) + list(layer.backward)):
-        groups["ep"] = int(shape.get("ep", 1))
+    groups = group_sizes_of(shape, layer)
     t = analytical_table(layer, c, groups, dtype=_dtype(shape["bf16"]), cluster_name=name)
     return t, {"kind": "cluster", "name": name, "path": os.path.abspath(path),
                "dtype": _dtype(shape["bf16"]), "group_sizes": groups}

@@ -160,6 +160,15 @@ def pair_time(f: OpSpec, tf: float, b: OpSpec, tb: float, slowdown: float) -> fl
     return max(tc * (1.0 + slowdown), tm)
 
 
+def group_sizes_of(shape: dict, layer: LayerOps) -> Dict[str, int]:
+    """The sizes of the process groups `layer`'s comm ops name, from a shape dict: tp
+    always, ep when the layer has all-to-alls (a MoE layer; 1 if the shape has no EP)."""
+    groups = {"tp": int(shape["tp"])}
+    if any(o.group == "ep" for o in list(layer.forward) + list(layer.backward)):
+        groups["ep"] = int(shape.get("ep", 1))
+    return groups
+
+
 def analytical_table(layer: LayerOps, cluster: dict, group_sizes: Dict[str, int],
                      dtype: str = "bf16", cluster_name: Optional[str] = None) -> CostTable:
     """A full CostTable for ``layer`` from a cluster description (see module doc)."""

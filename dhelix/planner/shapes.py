@@ -23,7 +23,7 @@ def _sizes(cfg, tp, sp, s, b):
                 dt=dt, s=s, b=b, tp=tp, s_loc=s_loc)
 
 
-def op_estimates(cfg, tp, sp, s, b, ep=1):
+def op_estimates(cfg, tp, sp, s, b):
     """name -> dict(flops, comm_bytes, saved_bytes) for every op either chain can hold."""
     z = _sizes(cfg, tp, sp, s, b)
     h, dt, T, Tl = z["h"], z["dt"], s * b, z["s_loc"] * b
@@ -88,7 +88,7 @@ def _moe_estimates(cfg, z, Tl, g, ew):
 
 def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1) -> LayerOps:
     """Fill the chains' OpSpecs with the estimates for this shape."""
-    est = op_estimates(cfg, tp, sp, s, b, ep)
+    est = op_estimates(cfg, tp, sp, s, b)
     dt = _sizes(cfg, tp, sp, s, b)["dt"]
 
     def fill(spec):

@@ -59,13 +59,12 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
                 check_hardware(table, table_path, force)
             else:
                 from dhelix.models.config import find_named_yaml
-                from dhelix.planner.costmodel import ClusterError, analytical_table, load_cluster
+                from dhelix.planner.costmodel import (ClusterError, analytical_table,
+                                                      group_sizes_of, load_cluster)
                 path = find_named_yaml(cluster, "clusters", "--dhelix-cluster", "cluster",
                                        ClusterError)
-                groups = {"tp": layer_ops.shape["tp"]}
-                if "ep" in layer_ops.shape:                   # a MoE layer
-                    groups["ep"] = layer_ops.shape["ep"]
-                table = analytical_table(layer_ops, load_cluster(path), groups,
+                table = analytical_table(layer_ops, load_cluster(path),
+                                         group_sizes_of(layer_ops.shape, layer_ops),
                                          dtype="bf16" if layer_ops.shape["dtype_bytes"] == 2
                                          else "fp32")
             return dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force)

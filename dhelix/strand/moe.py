@@ -90,16 +90,20 @@ class MoEProgram(LayerProgram):
         }
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _graph(self, S, keys_in, key_graph, fn):
-        """fn(*inputs) on detached leaves of S[keys_in] with autograd; the outputs (a
-        tuple) are kept as the local graph and returned detached."""
-        xs = tuple(S.get(k).detach().requires_grad_() for k in keys_in)
+    def _graph(self, S, inputs, key_graph, fn):
+        """fn(*inputs) on detached leaves of `inputs` (tensors, or keys of S) with
+        autograd; the outputs (a tuple) are kept as the local graph and returned
+        detached. Outputs that need no grad (the routing map) pass through."""
+        xs = tuple((S.get(k) if isinstance(k, str) else k).detach().requires_grad_()
+                   for k in inputs)
         ys = _traced(lambda a: fn(*a), xs)
         ys = ys if isinstance(ys, tuple) else (ys,)
         S.put(key_graph, (xs, ys))
         return tuple(y.detach() for y in ys)
 
     def _graph_grad(self, S, key_graph, grads, params=()):
+        """The local graph's input grads for output grads `grads` (None: no grad);
+        the grads of `params` go to the strand's accumulation."""
         xs, ys = S.get(key_graph)
         outs = [(y, g) for y, g in zip(ys, grads) if y.requires_grad and g is not None]
         params = [p for p in params if p is not None]
@@ -126,15 +130,9 @@ class MoEProgram(LayerProgram):
 
     # ---- forward ---------------------------------------------------------------------------
     def _router(self, S):
-        probs, rmap = self._graph_with_map(S)
+        probs, rmap = self._graph(S, ("ln2",), "g:router", self.moe.route)
         S.put("moe_probs", probs)
         S.put("moe_map", rmap)
-
-    def _graph_with_map(self, S):
-        x = S.get("ln2").detach().requires_grad_()
-        probs, rmap = _traced(lambda a: self.moe.route(a), x)
-        S.put("g:router", ((x,), (probs,)))
-        return probs.detach(), rmap
 
     def _shared(self, S):
         (out,) = self._graph(S, ("ln2",), "g:shared", lambda x: (self.moe.shared_experts(x),))
@@ -185,17 +183,14 @@ class MoEProgram(LayerProgram):
         return (y * probs.unsqueeze(-1)).to(y.dtype)
 
     def _experts_act(self, S):
+        """One local graph over every local expert: (fc1 outputs..., routing weights)."""
         n = len(self.w1)
-        fc1 = S.get("moe_fc1")
-        xs = tuple(t.detach().requires_grad_() for t in fc1) + \
-            (S.get("moe_eprobs").detach().requires_grad_(),)
 
-        def fn(a):
+        def fn(*a):
             ps = list(torch.split(a[n], S.get("moe_tpe"))) if n > 1 else [a[n]]
             return tuple(self._act_one(x, p) for x, p in zip(a[:n], ps))
-        ys = _traced(fn, xs)
-        S.put("g:experts_act", (xs, ys))
-        S.put("moe_act", [y.detach() for y in ys])
+        acts = self._graph(S, [*S.get("moe_fc1"), "moe_eprobs"], "g:experts_act", fn)
+        S.put("moe_act", list(acts))
         S.drop("moe_fc1", "moe_eprobs")
 
     def _experts_fc2(self, S):
@@ -258,13 +253,10 @@ class MoEProgram(LayerProgram):
         S.drop("g_moe_eout", "moe_act")
 
     def _experts_act_b(self, S):
-        xs, ys = S.get("g:experts_act")
-        grads = torch.autograd.grad(list(ys), list(xs), S.get("g_moe_act"),
-                                    allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(x) for g, x in zip(grads, xs)]
-        S.put("g_moe_fc1", list(grads[:-1]))
+        grads = self._graph_grad(S, "g:experts_act", S.get("g_moe_act"))
+        S.put("g_moe_fc1", grads[:-1])
         S.put("g_moe_eprobs", grads[-1])
-        S.drop("g:experts_act", "g_moe_act")
+        S.drop("g_moe_act")
 
     def _experts_fc1_dgrad(self, S):
         gs = [g.matmul(w) for g, w in zip(S.get("g_moe_fc1"), self.w1)]
