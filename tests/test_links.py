@@ -52,3 +52,31 @@ def test_training_over_the_paced_link_is_unchanged():
     base = run_ranks(train_result, 2, timeout=300, env=env, **kw)[0]
     dh = run_ranks(train_result, 2, timeout=300, env=env, dhelix={"enabled": True}, **kw)[0]
     assert base["losses"] == plain["losses"] == dh["losses"]
+
+
+def test_shm_attach_waits_for_a_segment_being_sized():
+    """A peer's segment can exist with size 0 for a moment (between the owner's shm_open
+    and its ftruncate): attaching waits instead of failing with "cannot mmap an empty
+    file" (seen once in a full suite run)."""
+    import os
+    import threading
+    import time
+    from dhelix.links import shm
+    tag = f"t{os.getpid()}"
+    g = shm.ShmGroup(tag, [0, 1], 0)
+    path = f"/dev/shm/dhx-{tag}-1"
+    open(path, "wb").close()                        # the peer's file, not yet sized
+    peer = {}
+
+    def owner():                                    # the owner finishes creating it
+        time.sleep(0.2)
+        peer["seg"] = shm._Segment(f"dhx-{tag}-1", create=True)   # replaces the empty file
+    t = threading.Thread(target=owner)
+    t.start()
+    try:
+        seg = g.seg(1)
+        assert int(seg.ctr[2]) == shm.READY
+    finally:
+        t.join()
+        os.remove(path)                              # (unregistered when attached)
+        g._unlink()

@@ -60,6 +60,8 @@ class _Segment:
                 shared_memory.SharedMemory(name=name).unlink()
             except FileNotFoundError:
                 pass
+            except ValueError:         # ... killed before it sized it: an empty file
+                os.remove(f"/dev/shm/{name}")
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         else:
             self.shm = shared_memory.SharedMemory(name=name)
@@ -105,7 +107,9 @@ class ShmGroup:
             def attached():
                 try:
                     seg = _Segment(self.names[j], create=False)
-                except FileNotFoundError:
+                except (FileNotFoundError, ValueError):
+                    # not created yet, or created and not yet sized ("cannot mmap an
+                    # empty file": the owner is between shm_open and ftruncate)
                     return False
                 if int(seg.ctr[2]) != READY:      # created, counters not yet set
                     return False
