@@ -5,6 +5,7 @@ Applied only when CUDA is absent, by `apply()`; nothing else in DHelix patches m
       inside those modules only, `torch.cuda.current_device()` answers "cpu".
   (f) the MoE all-to-all dispatcher's side stream (see `_NoStream`).
   (g) the MoE router's GEMM without Transformer Engine (`_moe_router_without_te`).
+  (h) context parallel: the RoPE table's slice for this CP rank (`_cp_rope_slice_on_host`).
   (d) the model-parallel RNG tracker keeps CUDA generator states: a tracker with the same
       interface keeps CPU generator states instead, seeded by
       `model_parallel_cuda_manual_seed` as usual.
@@ -173,6 +174,19 @@ def _moe_split_sizes_on_host() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_host
 
 
+def _cp_rope_slice_on_host() -> None:
+    """(h) megatron slices the rotary table for a CP rank with an index tensor it pins and
+    moves with `.cuda()`: on CPU the same slice (chunks r and 2C−1−r of 2C) by views."""
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    def on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        c, r = cp_group.size(), cp_group.rank()
+        chunks = pos_emb.chunk(2 * c, dim=seq_dim)
+        return torch.cat((chunks[r], chunks[2 * c - 1 - r]), dim=seq_dim)
+    for mod in (rope_utils, rotary_pos_embedding):
+        mod.get_pos_emb_on_this_cp_rank = on_this_cp_rank
+
+
 def apply() -> bool:
     """Patch megatron for CPU if CUDA is absent. Returns True if patches are in place.
     (g) is a megatron-core bug on any device without Transformer Engine: fixed always."""
@@ -198,6 +212,7 @@ def apply() -> bool:
     mrandom.CudaRNGStatesTracker = tracker_cls
     _cpu_embedding_sync()
     _moe_split_sizes_on_host()
+    _cp_rope_slice_on_host()
     _APPLIED = True
     return True
 

@@ -15,7 +15,7 @@ from dhelix.models.spec import block_spec
 
 def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
                        bf16: bool = False, pp: int = 1, ep: int = 1,
-                       etp: Optional[int] = None) -> TransformerConfig:
+                       etp: Optional[int] = None, cp: int = 1) -> TransformerConfig:
     """The megatron TransformerConfig for a model shape. Fusions that need CUDA kernels
     are off; the math is megatron's unfused path, which the DHelix layer mirrors."""
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -34,6 +34,7 @@ def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool =
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=dtype,
         bf16=bf16,
@@ -66,7 +67,8 @@ def build_gpt(m: ModelConfig, config: TransformerConfig, layer_module=Transforme
     """megatron-core GPTModel with the CPU-safe spec; `layer_module` picks the layer."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(m.num_layers, layer_module, m.num_experts),
+        transformer_layer_spec=block_spec(m.num_layers, layer_module, m.num_experts,
+                                          config.context_parallel_size),
         vocab_size=m.vocab_size,
         max_sequence_length=max(seq_length, m.max_position_embeddings),
         pre_process=True,

@@ -127,10 +127,13 @@ def moe_spec() -> ModuleSpec:
         shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp)))
 
 
-def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None) -> ModuleSpec:
+def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None,
+               context_parallel_size: int = 1) -> ModuleSpec:
     """A GPT layer spec from megatron-core modules, CPU-safe; `layer_module` is
     megatron's TransformerLayer or the DHelix layer (same submodules, same params); with
-    `num_experts` the MLP is megatron's MoE block."""
+    `num_experts` the MLP is megatron's MoE block; with context parallel the core
+    attention is the ring (`RingAttention`), for megatron's layer and DHelix's alike."""
+    from dhelix.models.ring_attention import RingAttention
     mlp = moe_spec() if num_experts else ModuleSpec(module=MLP, submodules=MLPSubmodules(
         linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     return ModuleSpec(
@@ -142,7 +145,8 @@ def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None)
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
-                    core_attention=SDPAttention,
+                    core_attention=RingAttention if context_parallel_size > 1
+                    else SDPAttention,
                     linear_proj=RowParallelLinear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,
@@ -157,7 +161,8 @@ def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None)
 
 
 def block_spec(num_layers: int, layer_module=TransformerLayer,
-               num_experts: Optional[int] = None) -> TransformerBlockSubmodules:
+               num_experts: Optional[int] = None,
+               context_parallel_size: int = 1) -> TransformerBlockSubmodules:
     """Block spec whose final norm is the sequence-parallel-capable `Norm` too."""
-    spec = layer_spec(layer_module, num_experts)
+    spec = layer_spec(layer_module, num_experts, context_parallel_size)
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers, layer_norm=Norm)

@@ -18,11 +18,13 @@ from dhelix.planner.opspec import COMM, COMPUTE, OpSpec
 
 def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
                  ep_lane: str = "intra",
-                 shared_experts: bool = False) -> Tuple[List[OpSpec], List[OpSpec]]:
+                 shared_experts: bool = False, cp: int = 1,
+                 cp_lane: str = "intra") -> Tuple[List[OpSpec], List[OpSpec]]:
     """(forward, backward) OpSpecs of a layer with TP `tp` (sequence parallel `sp`); TP
     collectives run on `lane` (intra or inter, by the TP group's node membership). With
     `moe` the MLP is megatron's MoE block with the all-to-all dispatcher (experts not
-    TP-split: expert-tensor-parallel 1), its all-to-alls on `ep_lane`."""
+    TP-split: expert-tensor-parallel 1), its all-to-alls on `ep_lane`. With context
+    parallel `cp` > 1 the attention core is a ring (`ring_chains`) on `cp_lane`."""
     sp = sp and tp > 1
 
     def C(name, **kw):
@@ -40,7 +42,8 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
     def gather(name, **kw):
         return [M(name, "all_gather", **kw)] if sp else []
 
-    f_attn = [C("ln_attn"), *gather("ag_attn"), C("qkv"), C("attn"), C("proj"),
+    f_core, b_core = ring_chains(cp, cp_lane) if cp > 1 else ([C("attn")], [C("attn_b")])
+    f_attn = [C("ln_attn"), *gather("ag_attn"), C("qkv"), *f_core, C("proj"),
               *reduce_out("attn"), C("bda_attn")]
     f = f_attn + [C("ln_mlp"), *gather("ag_mlp"), C("fc1"), C("act"), C("fc2"),
                   *reduce_out("mlp"), C("bda_mlp")]
@@ -57,8 +60,8 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
         return ops
 
     b_attn = [C("bda_attn_b"), *gather("ag_attn_b"), C("proj_dgrad"),
-              C("proj_wgrad", wgrad=True, after="proj_dgrad"), C("attn_b"),
-              *column_backward("attn", "attn_b", "qkv"), C("ln_attn_b")]
+              C("proj_wgrad", wgrad=True, after="proj_dgrad"), *b_core,
+              *column_backward("attn", b_core[-1].name, "qkv"), C("ln_attn_b")]
     b = [C("bda_mlp_b"), *gather("ag_mlp_b"), C("fc2_dgrad"),
          C("fc2_wgrad", wgrad=True, after="fc2_dgrad"), C("act_b"),
          *column_backward("mlp", "act_b", "fc1"), C("ln_mlp_b")] + b_attn
@@ -93,4 +96,32 @@ def moe_chains(ep_lane: str, shared_experts: bool = False
          A("a2a_dispatch_b"), C("permute_b"), C("router_b"), C("ln_mlp_b")]
     if shared_experts:
         b.insert(b.index(b[2]) + 1, C("shared_experts_b"))
+    return f, b
+
+
+def ring_chains(cp: int, cp_lane: str) -> Tuple[List[OpSpec], List[OpSpec]]:
+    """The attention core as a ring over the CP group (`models/ring_attention.py`): each
+    ring step is a P2P exchange with the ring neighbours (comm, group "cp") and the
+    attention of the local queries with one KV block (compute). Each exchange is issued
+    one step ahead of the compute that reads it, as Transformer Engine's ring does, so
+    even one strand overlaps it; paired with the other strand's GEMMs it hides entirely.
+
+    forward:  attn_in (split QKV, RoPE) · kv_0 · attn_0 · kv_1 · attn_1 … attn_{C-1}
+    backward: kv_b_0 · attn_b_0 · kv_b_1 · attn_b_1 … attn_b_{C-1} · kv_b_C · attn_in_b
+    where kv_b_i (0 < i < C) carries the next KV block and the dK/dV accumulated so far for
+    the block before it, and kv_b_C returns each block's finished dK/dV to its owner."""
+    def C(name, **kw):
+        return OpSpec(name, COMPUTE, "compute", **kw)
+
+    def P(name):
+        return OpSpec(name, COMM, cp_lane, group="cp", collective="send_recv")
+    f = [C("attn_in")]
+    for i in range(cp):
+        if i < cp - 1:
+            f.append(P(f"kv_{i}"))
+        f.append(C(f"attn_{i}"))
+    b = []
+    for i in range(cp):
+        b += [P(f"kv_b_{i}"), C(f"attn_b_{i}")]
+    b += [P(f"kv_b_{cp}"), C("attn_in_b")]
     return f, b

@@ -22,11 +22,24 @@ from dhelix.base.nodes import node_ids
 
 class Pending:
     """The future result of a comm op."""
-    __slots__ = ("op", "out", "handle", "done", "t_done")
+    __slots__ = ("op", "out", "handle", "done", "t_done", "keep")
 
     def __init__(self, op: str, out: torch.Tensor, handle):
         self.op, self.out, self.handle, self.done = op, out, handle, False
+        self.keep = None     # a tensor being sent: alive until the comm is waited for
         self.t_done = None   # when a reader first had the result (host clock), for traces
+
+
+class _AllWorks:
+    """Several works waited as one (a ring step's send and receive)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return True
 
 
 def lane_of_group(group) -> str:
@@ -78,6 +91,18 @@ class Lanes(abc.ABC):
         fn = dist.irecv if self.async_op else dist.recv
         return self._launch(op, lane, out, lambda: fn(out, src=peer, group=group, tag=tag))
 
+    def ring_exchange(self, op: str, x: torch.Tensor, to: int, frm: int, group,
+                      lane: str) -> Pending:
+        """Send `x` to global rank `to` while receiving a tensor like it from `frm`: one
+        ring step. Both go in one batch (NCCL's group call), so a ring of blocking sends
+        cannot deadlock."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)]
+        p = self._launch(op, lane, out, lambda: _AllWorks(dist.batch_isend_irecv(ops)))
+        p.keep = x
+        return p
+
     # backend hooks
     async_op = True
 
@@ -127,7 +152,9 @@ class CudaLanes(Lanes):
         s = self._stream(lane)
         s.wait_stream(compute)          # the input was produced on the compute stream
         with torch.cuda.stream(s):
-            fn()
+            h = fn()
+            if isinstance(h, _AllWorks):
+                h.wait()        # NCCL: makes the lane stream wait, not the host
             ev = torch.cuda.Event()
             ev.record(s)
         out.record_stream(s)

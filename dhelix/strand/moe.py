@@ -35,6 +35,8 @@ class MoEProgram(LayerProgram):
 
     def _bind_mlp(self, moe):
         from dhelix.strand.lanes import lane_of_group
+        if self.cp > 1:
+            raise ValueError("DHelix MoE layer: context parallel is not supported yet")
         self.mlp = moe
         self.moe = moe
         self.disp = moe.token_dispatcher

@@ -102,6 +102,11 @@ class LayerProgram:
         self.lane = lane_of_group(self.group) if self.tp > 1 else "intra"
         attn = layer.self_attention
         self.attn = attn
+        self.cp = parallel_state.get_context_parallel_world_size()
+        self.ring = None
+        if self.cp > 1:     # the attention core is a ring of ops (strand/ring.py)
+            from dhelix.strand.ring import RingOps
+            self.ring = RingOps(self, parallel_state.get_context_parallel_group())
         self.w_qkv = attn.linear_qkv.weight
         self.b_qkv = None if attn.linear_qkv.skip_bias_add else attn.linear_qkv.bias
         self.w_proj, self.b_proj = attn.linear_proj.weight, attn.linear_proj.bias
@@ -153,10 +158,13 @@ class LayerProgram:
             "ar_attn_b": self._allreduce("g_ln1_full", "g_ln1", "ar_attn_b"),
         }
         fns.update(self._mlp_fns())
+        if self.ring is not None:
+            fns.update(self.ring.fns())
         return [Op(o, fns[o.name]) for o in fwd], [Op(o, fns[o.name]) for o in bwd]
 
     def _chains(self):
-        return layer_chains(self.tp, self.sp, self.lane)
+        return layer_chains(self.tp, self.sp, self.lane, cp=self.cp,
+                            cp_lane=self.ring.ring.lane if self.ring else "intra")
 
     def _mlp_fns(self) -> Dict[str, Callable]:
         """Ops of the MLP part beyond the shared ones (none for the dense layer)."""
@@ -349,5 +357,5 @@ class LayerProgram:
         return estimate_layer_ops([o.spec for o in self.forward_ops],
                                   [o.spec for o in self.backward_ops], LayerShape.of(self.cfg),
                                   self.tp, self.sp, seq_length, micro_batch_size,
-                                  getattr(self, "ep", 1))
+                                  getattr(self, "ep", 1), cp=self.cp)
 

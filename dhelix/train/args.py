@@ -21,6 +21,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="sequences per micro-batch (default: %(default)s)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
                    help="TP size (default: %(default)s)")
+    g.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
+                   help="context parallel: each sequence split over C ranks in megatron's "
+                        "load-balanced way, attention as a ring of K/V exchanges (default: "
+                        "%(default)s)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism (needs TP > 1)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and math (default fp32)")
@@ -99,6 +103,7 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
     dh["enabled"] = bool(getattr(a, "dhelix", False))
     return TrainConfig(
         config=a.config, tensor_model_parallel_size=a.tensor_model_parallel_size,
+        context_parallel_size=a.context_parallel_size,
         pipeline_model_parallel_size=a.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=a.num_layers_per_virtual_pipeline_stage,
         expert_model_parallel_size=a.expert_model_parallel_size,

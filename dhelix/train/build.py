@@ -42,7 +42,8 @@ def _gpt(cfg, m, tconfig, chunk: Chunk, layer_module, vp_stage, share: bool):
     from dhelix.models.spec import block_spec
     model = GPTModel(
         config=tconfig, transformer_layer_spec=block_spec(len(chunk.layers), layer_module,
-                                                          m.num_experts),
+                                                          m.num_experts,
+                                                          tconfig.context_parallel_size),
         vocab_size=m.vocab_size,
         max_sequence_length=max(cfg.seq_length, m.max_position_embeddings),
         pre_process=chunk.pre_process, post_process=chunk.post_process, parallel_output=True,

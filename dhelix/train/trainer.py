@@ -27,6 +27,7 @@ class TrainConfig:
     config: str = "tiny"
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1               # ring attention over C ranks
     num_layers_per_virtual_pipeline_stage: Optional[int] = None   # megatron's interleaved
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None   # default: TP, as in megatron
@@ -69,6 +70,7 @@ class Layout:
     fold: bool = False      # DHelix's U-folded pipeline
     ep: int = 1             # expert parallel: carved from the DP ranks, as in megatron
     etp: int = 1            # expert tensor parallel
+    cp: int = 1             # context parallel (megatron's rank order: TP, CP, DP, PP)
 
 
 def model_of(cfg: TrainConfig) -> ModelConfig:
@@ -89,18 +91,20 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     """Validate parallel sizes against the world and the model; errors name the flag."""
     check_positive(cfg)
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    cp = cfg.context_parallel_size
     if cfg.data_parallel_size is not None:
-        if tp * pp * cfg.data_parallel_size != world:
+        if tp * pp * cp * cfg.data_parallel_size != world:
             raise ConfigError(
-                f"world size {world} is not TP×PP×DP = {tp}×{pp}×{cfg.data_parallel_size}; "
-                f"launch {tp * pp * cfg.data_parallel_size} ranks or change "
-                f"--tensor-model-parallel-size / --pipeline-model-parallel-size / "
-                f"--data-parallel-size")
-    if world % (tp * pp):
+                f"world size {world} is not TP×CP×PP×DP = {tp}×{cp}×{pp}×"
+                f"{cfg.data_parallel_size}; launch {tp * pp * cp * cfg.data_parallel_size} "
+                f"ranks or change --tensor-model-parallel-size / --context-parallel-size / "
+                f"--pipeline-model-parallel-size / --data-parallel-size")
+    if world % (tp * pp * cp):
         raise ConfigError(f"world size {world} is not divisible by "
-                          f"--tensor-model-parallel-size {tp} × --pipeline-model-parallel-size "
-                          f"{pp}")
-    dp = world // (tp * pp)
+                          f"--tensor-model-parallel-size {tp} × --context-parallel-size {cp} "
+                          f"× --pipeline-model-parallel-size {pp}")
+    dp = world // (tp * pp * cp)
+    _check_context_parallel(cfg, m, cp)
     fold_layers = bool(cfg.dhelix.get("fold"))
     vpp = 1
     if fold_layers:
@@ -137,9 +141,10 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     if m.ffn_hidden_size % tp:
         raise ConfigError(f"{m.name}: ffn_hidden_size ({m.ffn_hidden_size}) is not divisible "
                           f"by --tensor-model-parallel-size {tp}")
-    if cfg.sequence_parallel and tp > 1 and cfg.seq_length % tp:
+    if cfg.sequence_parallel and tp > 1 and (cfg.seq_length // cp) % tp:
         raise ConfigError(f"--seq-length {cfg.seq_length} must be divisible by "
-                          f"--tensor-model-parallel-size {tp} with --sequence-parallel")
+                          f"--context-parallel-size {cp} × --tensor-model-parallel-size {tp} "
+                          f"with --sequence-parallel")
     if m.shapes_only:
         raise ConfigError(f"{m.name}: this config holds a published shape for planning and "
                           f"simulation only (shapes_only: true); train a small config such "
@@ -157,7 +162,29 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     etp = cfg.expert_tensor_parallel_size or tp
     if m.num_experts and etp not in (1, tp):
         raise ConfigError(f"--expert-tensor-parallel-size {etp}: give 1 or the TP size {tp}")
-    return Layout(world, tp, dp, nmb, pp, vpp, fold_layers, ep, etp)
+    return Layout(world, tp, dp, nmb, pp, vpp, fold_layers, ep, etp, cp)
+
+
+def _check_context_parallel(cfg: TrainConfig, m: ModelConfig, cp: int) -> None:
+    from dhelix.models.ring_attention import check_split
+    if cp < 1:
+        raise ConfigError(f"--context-parallel-size {cp}: must be a positive integer")
+    if cp == 1:
+        return
+    try:
+        check_split(cfg.seq_length, cp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if m.attention_dropout:
+        raise ConfigError(f"--context-parallel-size {cp}: ring attention has no attention "
+                          f"dropout, and {m.name} sets attention_dropout "
+                          f"{m.attention_dropout}; use a config with attention_dropout: 0.0")
+    for flag, bad in (("--pipeline-model-parallel-size > 1", cfg.pipeline_model_parallel_size > 1),
+                      ("a MoE model", bool(m.num_experts)),
+                      ("--dhelix-peer", bool(cfg.dhelix.get("peer")))):
+        if bad:
+            raise ConfigError(f"--context-parallel-size {cp} with {flag}: not built yet "
+                              f"(context parallel runs with TP, SP and DP)")
 
 
 def _check_experts(cfg: TrainConfig, m: ModelConfig, dp: int) -> int:
@@ -232,16 +259,24 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
         from dhelix.planner.plan import Plan, validate
         from dhelix.planner.shapes import layer_ops_for_shape
         ops = layer_ops_for_shape(m, layout.tp, cfg.sequence_parallel, cfg.seq_length,
-                                  cfg.micro_batch_size, bf16=cfg.bf16)
+                                  cfg.micro_batch_size, bf16=cfg.bf16, cp=layout.cp)
         validate(Plan.load(plan), ops, plan)
     return warnings
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron-style masked mean of per-token losses."""
+    """Megatron-style masked mean of per-token losses. With context parallel each rank
+    holds part of every sequence: the sum and the token count are summed over the CP
+    group (the value is the whole sequence's mean, the gradient flows through this rank's
+    part), and megatron's schedule scales it by the CP size, as for its own loss_func."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum()
+    local = torch.sum(losses * mask)
+    stats = torch.stack((local.detach(), mask.sum()))
+    from megatron.core import parallel_state
+    if parallel_state.get_context_parallel_world_size() > 1:
+        dist.all_reduce(stats, group=parallel_state.get_context_parallel_group())
+    loss = (local + (stats[0] - local.detach())) / stats[1]
     return loss, {"lm loss": loss.detach().clone()}
 
 
@@ -295,13 +330,14 @@ def setup_megatron(cfg: TrainConfig, m: ModelConfig, layout: Layout):
         kw["get_embedding_ranks"] = lambda pp_ranks: [pp_ranks[0]]
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=layout.tp,
                                              pipeline_model_parallel_size=layout.pp,
+                                             context_parallel_size=layout.cp,
                                              expert_model_parallel_size=layout.ep,
                                              expert_tensor_parallel_size=layout.etp, **kw)
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     tconfig = transformer_config(m, tp=layout.tp, sequence_parallel=cfg.sequence_parallel,
                                  bf16=cfg.bf16, pp=layout.pp, ep=layout.ep,
-                                 etp=layout.etp)
+                                 etp=layout.etp, cp=layout.cp)
     if layout.vpp > 1:
         tconfig.virtual_pipeline_model_parallel_size = layout.vpp
     tconfig.batch_p2p_comm = False          # gloo: plain isend/irecv, no coalescing
@@ -362,7 +398,8 @@ def train(cfg: TrainConfig) -> dict:
         return _to_device(make_batches(
             cfg.data, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
             num_microbatches=layout.num_microbatches, vocab_size=m.vocab_size, seed=cfg.seed,
-            dp_rank=dp_rank, dp_size=layout.dp, data_path=cfg.data_path), info.device)
+            dp_rank=dp_rank, dp_size=layout.dp, data_path=cfg.data_path), info.device,
+            layout.cp)
     # megatron's interleaved schedule reads one iterator per model chunk
     data = [stream() for _ in chunks] if layout.vpp > 1 else stream()
     model = chunks if len(chunks) > 1 or layout.pp > 1 else chunks[0]
@@ -372,7 +409,8 @@ def train(cfg: TrainConfig) -> dict:
     if rank0:
         print(f"dhelix train: {m.name} world={layout.world} TP={layout.tp} "
               f"{f'PP={layout.pp} ' if layout.pp > 1 else ''}"
-              f"{f'VPP={layout.vpp} ' if layout.vpp > 1 else ''}DP={layout.dp} "
+              f"{f'VPP={layout.vpp} ' if layout.vpp > 1 else ''}"
+              f"{f'CP={layout.cp} ' if layout.cp > 1 else ''}DP={layout.dp} "
               f"{f'EP={layout.ep} experts={m.num_experts} top-{m.moe_router_topk} ' if m.num_experts else ''}"
               f"SP={cfg.sequence_parallel} mbs={cfg.micro_batch_size} "
               f"microbatches={layout.num_microbatches} seq={cfg.seq_length} "
@@ -477,6 +515,18 @@ def _per_stage(value, device, dtype=torch.int64) -> list:
     return [x.item() for x in out]
 
 
-def _to_device(it, device):
+def _to_device(it, device, cp: int = 1):
+    """Batches on the model's device; with context parallel, this CP rank's two chunks of
+    every sequence (megatron's `get_batch_on_this_cp_rank`)."""
+    from megatron.core import parallel_state
+    r = parallel_state.get_context_parallel_rank() if cp > 1 else 0
     for batch in it:
+        if cp > 1:
+            batch = {k: cp_chunks(v, r, cp) for k, v in batch.items()}
         yield {k: v.to(device) for k, v in batch.items()}
+
+
+def cp_chunks(x: torch.Tensor, r: int, cp: int, dim: int = 1) -> torch.Tensor:
+    """Chunks r and 2·cp−1−r of 2·cp along the sequence dimension."""
+    parts = x.chunk(2 * cp, dim=dim)
+    return torch.cat((parts[r], parts[2 * cp - 1 - r]), dim=dim)
