@@ -6,7 +6,8 @@ Cluster file (YAML, see configs/clusters/*.yaml)::
     name: a800
     peak_flops: {fp32: 19.5e12, bf16: 312e12}   # FLOP/s per GPU
     achieved_fraction: 0.6                      # fraction of peak a layer's kernels reach
-    gpus_per_node: 8
+    gpus_per_node: 8                            # optional, default 8: which groups
+                                                # fit in a node (CP, EP lanes)
     intra_node: {bandwidth_GBps: 200, latency_us: 5}
     inter_node: {bandwidth_GBps: 25,  latency_us: 10}
     comm_compute_slowdown: 0.1                  # optional, default 0
@@ -29,6 +30,9 @@ from typing import Dict, Optional
 
 from dhelix.planner.costs import CostTable
 from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
+
+
+DEFAULT_GPUS_PER_NODE = 8        # every cluster file here (HGX boards)
 
 
 class ClusterError(ValueError):
@@ -95,6 +99,14 @@ def check_cluster(c: dict, source: str = "<cluster>") -> None:
     sd = c.get("comm_compute_slowdown", 0.0)
     if not isinstance(sd, (int, float)) or sd < 0:
         raise ClusterError(f"{source}: comm_compute_slowdown must be a number >= 0")
+    g = c.get("gpus_per_node", DEFAULT_GPUS_PER_NODE)
+    if isinstance(g, bool) or not isinstance(g, (int, float)) or g < 1 or g != int(g):
+        raise ClusterError(f"{source}: gpus_per_node must be a positive integer, got {g!r}")
+
+
+def gpus_per_node(cluster: dict) -> int:
+    """Ranks per node (megatron numbers a node's GPUs consecutively); 8 if not given."""
+    return int(cluster.get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
 
 
 def _pos(v, source, what):
@@ -162,10 +174,13 @@ def pair_time(f: OpSpec, tf: float, b: OpSpec, tb: float, slowdown: float) -> fl
 
 def group_sizes_of(shape: dict, layer: LayerOps) -> Dict[str, int]:
     """The sizes of the process groups `layer`'s comm ops name, from a shape dict: tp
-    always, ep when the layer has all-to-alls (a MoE layer; 1 if the shape has no EP)."""
+    always, ep when the layer has all-to-alls (a MoE layer; 1 if the shape has no EP), cp
+    when it has the ring exchanges of context parallel."""
     groups = {"tp": int(shape["tp"])}
-    if any(o.group == "ep" for o in list(layer.forward) + list(layer.backward)):
-        groups["ep"] = int(shape.get("ep", 1))
+    named = {o.group for o in list(layer.forward) + list(layer.backward)}
+    for g in ("ep", "cp"):
+        if g in named:
+            groups[g] = int(shape.get(g, 1))
     return groups
 
 

@@ -11,21 +11,28 @@ from typing import Optional
 from dhelix.planner.opspec import LayerOps
 
 
-def _sizes(cfg, tp, sp, s, b):
+def _sizes(cfg, tp, sp, s, b, cp=1):
+    """Sizes one rank sees. `s` is the global sequence length: with context parallel `cp`
+    a rank holds s/cp tokens (`s` in the result), sequence parallel shards those over TP
+    (`s_loc`)."""
     h = cfg.hidden_size
     hn = cfg.kv_channels or h // cfg.num_attention_heads
     ng = cfg.num_query_groups or cfg.num_attention_heads
     qkv = (cfg.num_attention_heads + 2 * ng) * hn
     f1 = cfg.ffn_hidden_size * (2 if cfg.gated_linear_unit else 1)
     dt = 2 if cfg.bf16 or cfg.fp16 else 4
-    s_loc = s // tp if sp else s
+    s_cp = s // cp
+    s_loc = s_cp // tp if sp else s_cp
     return dict(h=h, qkv=qkv, ap=cfg.num_attention_heads * hn, f=cfg.ffn_hidden_size, f1=f1,
-                dt=dt, s=s, b=b, tp=tp, s_loc=s_loc)
+                dt=dt, s=s_cp, b=b, tp=tp, s_loc=s_loc, cp=cp, hn=hn,
+                heads=cfg.num_attention_heads // tp, kv_heads=max(1, ng // tp))
 
 
-def op_estimates(cfg, tp, sp, s, b):
-    """name -> dict(flops, comm_bytes, saved_bytes) for every op either chain can hold."""
-    z = _sizes(cfg, tp, sp, s, b)
+def op_estimates(cfg, tp, sp, s, b, cp=1):
+    """name -> (flops, comm_bytes, saved_bytes) for every op either chain can hold; `s` is
+    the global sequence length, each rank works on s/cp of it."""
+    z = _sizes(cfg, tp, sp, s, b, cp)
+    s = z["s"]
     h, dt, T, Tl = z["h"], z["dt"], s * b, z["s_loc"] * b
     qkv, ap, f, f1 = z["qkv"] // tp, z["ap"] // tp, z["f"] // tp, z["f1"] // tp
     g = lambda m, k, n: 2.0 * m * k * n  # noqa: GEMM flops
@@ -53,6 +60,47 @@ def op_estimates(cfg, tp, sp, s, b):
         e[name] = (0, full, 0)
     if getattr(cfg, "num_experts", None):
         e.update(_moe_estimates(cfg, z, Tl, g, ew))
+    if cp > 1:
+        # the attention's inputs are kept by attn_in (q and the own K/V after RoPE), not
+        # as the qkv GEMM's output: counting both would save them twice
+        e["qkv"] = (e["qkv"][0], 0, 0)
+        e.update(_ring_estimates(z, ew))
+    return e
+
+
+def _ring_estimates(z, ew):
+    """The ring ops of context parallel `cp` (`chains.ring_chains`), megatron's
+    load-balanced layout: the sequence in 2·cp chunks of c tokens, this rank holds two.
+
+    Compute: a c×c block of scores costs 4·b·c²·(heads·hn/tp) (QK^T and PV) and is counted
+    whole, also where it is causal (a flash kernel skips the masked half; the CP=1
+    estimate counts the full s×s too). Step 0 (own K/V) does 3 blocks (A×A, B×A, B×B),
+    every other step 2 (all queries × the block's chunk A, or chunk B × the whole block):
+    2·cp+1 blocks, (2·cp+1)/(4·cp) of the CP=1 layer's s×s count divided by cp. Backward
+    2× the forward (dQ, dK, dV and the recomputed P), the convention of `attn_b`.
+    Messages: one K/V block is K and V of this rank's s/cp tokens; the backward sends the
+    own K/V, then K/V with the dK/dV summed so far, then only dK/dV (twice: the last step's
+    and the return to the owner), as `models/ring_attention.backward_message` does."""
+    C, b, s, dt, hn = z["cp"], z["b"], z["s"], z["dt"], z["hn"]
+    T, ap, c = s * b, z["ap"] // z["tp"], s // 2
+    block = 4.0 * b * c * c * ap
+    kv = 2.0 * T * z["kv_heads"] * hn * dt
+    q = T * ap * dt
+    lse = T * z["heads"] * 4                  # fp32 log-sum-exp per query row and head
+    qkv_elems = T * (ap + 2 * z["kv_heads"] * hn)
+    e = {"attn_in": (ew(qkv_elems), 0, q + kv),          # keeps q and the own K/V
+         "attn_in_b": (ew(qkv_elems), 0, q + kv),        # frees them
+         f"kv_b_{C}": (0, kv, 0)}
+    for i in range(C):
+        n = 3 if i == 0 else 2
+        last = i == C - 1
+        # the output (freed by proj_wgrad, as with CP=1) and the log-sum-exp (freed by
+        # the last backward step, its last reader)
+        e[f"attn_{i}"] = (n * block, 0, q + lse if last else 0)
+        e[f"attn_b_{i}"] = (2 * n * block, 0, lse if last else 0)
+        if i < C - 1:
+            e[f"kv_{i}"] = (0, kv, 0)
+        e[f"kv_b_{i}"] = (0, kv if i in (0, C - 1) else 2 * kv, 0)
     return e
 
 
@@ -86,10 +134,11 @@ def _moe_estimates(cfg, z, Tl, g, ew):
     }
 
 
-def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1) -> LayerOps:
-    """Fill the chains' OpSpecs with the estimates for this shape."""
-    est = op_estimates(cfg, tp, sp, s, b)
-    dt = _sizes(cfg, tp, sp, s, b)["dt"]
+def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> LayerOps:
+    """Fill the chains' OpSpecs with the estimates for this shape (`s`: the global
+    sequence length; with context parallel `cp` each rank holds s/cp tokens)."""
+    est = op_estimates(cfg, tp, sp, s, b, cp)
+    dt = _sizes(cfg, tp, sp, s, b, cp)["dt"]
 
     def fill(spec):
         fl, cb, sb = est[spec.name]
@@ -97,7 +146,7 @@ def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1) -> LayerOps:
                        temp_bytes=float(cb) if cb else 0.0)
     lo = LayerOps([fill(o) for o in forward], [fill(o) for o in backward])
     lo.shape = {"hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "seq": s, "mbs": b,
-                "tp": tp, "sp": sp, "dtype_bytes": dt}
+                "tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dt}
     if getattr(cfg, "num_experts", None):
         lo.shape.update(experts=cfg.num_experts, topk=cfg.moe_router_topk, ep=ep,
                         routing="balanced expectation")
@@ -139,13 +188,16 @@ class LayerShape:
 def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length: int,
                         micro_batch_size: int, bf16: bool = False,
                         lane: str = "intra", ep: int = 1,
-                        ep_lane: str = "intra") -> LayerOps:
+                        ep_lane: str = "intra", cp: int = 1,
+                        cp_lane: str = "intra") -> LayerOps:
     """The same LayerOps a live DHelix layer of this shape reports, without building it
     or any process group: for planning and simulating models and clusters you do not
-    have (`dhelix plan --config llama-8b --cluster h100`)."""
+    have (`dhelix plan --config llama-8b --cluster h100`). `seq_length` is the global
+    sequence length; context parallel `cp` > 1 splits it over a ring on `cp_lane`."""
     from dhelix.planner.chains import layer_chains
     if tp < 1:
         raise ValueError(f"tensor-model-parallel size must be >= 1, got {tp}")
+    check_context_parallel(seq_length, cp)
     for field, v in (("num_attention_heads", model_cfg.num_attention_heads),
                      ("ffn_hidden_size", model_cfg.ffn_hidden_size)):
         if v % tp:
@@ -164,7 +216,23 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
                              f"EP={ep}")
     elif ep > 1:
         raise ValueError(f"EP={ep} for a model without experts")
+    if cp > 1 and sp and (seq_length // cp) % tp:
+        raise ValueError(f"sequence parallel splits each CP rank's {seq_length // cp} tokens "
+                         f"(sequence length {seq_length} / CP={cp}) over TP={tp}; choose a "
+                         f"sequence length that is a multiple of {2 * cp * tp}, for example")
     fwd, bwd = layer_chains(tp, sp, lane, moe=moe, ep_lane=ep_lane,
-                            shared_experts=bool(model_cfg.moe_shared_expert_intermediate_size))
+                            shared_experts=bool(model_cfg.moe_shared_expert_intermediate_size),
+                            cp=cp, cp_lane=cp_lane)
     return estimate_layer_ops(fwd, bwd, LayerShape.of_model(model_cfg, bf16), tp, sp,
-                              seq_length, micro_batch_size, ep)
+                              seq_length, micro_batch_size, ep, cp=cp)
+
+
+def check_context_parallel(seq_length: int, cp: int) -> None:
+    """megatron's load-balanced context parallel cuts the sequence into 2·CP equal chunks
+    (CP rank r holds chunks r and 2·CP-1-r)."""
+    if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"context-parallel size must be an integer >= 1, got {cp!r}")
+    if cp > 1 and seq_length % (2 * cp):
+        raise ValueError(f"sequence length {seq_length} does not split into 2·CP = {2 * cp} "
+                         f"chunks (megatron's load-balanced context parallel); choose a "
+                         f"multiple of {2 * cp}")
