@@ -24,6 +24,8 @@ import re
 import sys
 from typing import List, Optional, Tuple
 
+from dhelix.planner.costmodel import DEFAULT_GPUS_PER_NODE
+
 DEFAULT_CLUSTERS = ("a40", "a800", "h100")
 
 
@@ -145,12 +147,22 @@ def _add_shape_args(p, required: bool) -> None:
     g.add_argument("--expert-model-parallel-size", type=int, default=None, metavar="P",
                    help="MoE configs: experts over P ranks, all-to-all between them "
                         "(default 1); the EP group is inside a node while TP×EP ≤ 8")
+    add_cp_arg(g, default=None)
+
+
+def add_cp_arg(g, default) -> None:
+    g.add_argument("--context-parallel-size", type=int, default=default, metavar="C",
+                   help="context parallel (ring attention): the sequence over C ranks, K/V "
+                        "blocks passed around the ring by P2P (default 1); the CP group is "
+                        "inside a node while TP×CP fits in one (the cluster file's "
+                        "gpus_per_node, 8)")
 
 
 def _shape_given(a) -> bool:
     return any(getattr(a, k, None) is not None for k in
                ("config", "tensor_model_parallel_size", "sequence_parallel", "seq_length",
-                "micro_batch_size", "bf16", "lane", "expert_model_parallel_size"))
+                "micro_batch_size", "bf16", "lane", "expert_model_parallel_size",
+                "context_parallel_size"))
 
 
 def _shape_from_args(a) -> dict:
@@ -164,9 +176,13 @@ def _shape_from_args(a) -> dict:
         if v <= 0:
             raise CliError(f"{flag} must be a positive integer, got {v}")
     sp = bool(a.sequence_parallel)
-    if sp and tp > 1 and seq % tp:
-        raise CliError(f"--seq-length {seq} must be divisible by --tensor-model-parallel-size "
-                       f"{tp} with --sequence-parallel")
+    cp = getattr(a, "context_parallel_size", None)
+    cp = 1 if cp is None else cp
+    check_cp(cp, seq)
+    if sp and tp > 1 and (seq // cp) % tp:
+        per_rank = "" if cp == 1 else f" (its {seq // cp} tokens per CP rank)"
+        raise CliError(f"--seq-length {seq}{per_rank} must be divisible by "
+                       f"--tensor-model-parallel-size {tp} with --sequence-parallel")
     ep = getattr(a, "expert_model_parallel_size", None) or 1
     if ep < 1:
         raise CliError(f"--expert-model-parallel-size must be a positive integer, got {ep}")
@@ -174,34 +190,82 @@ def _shape_from_args(a) -> dict:
              "bf16": bool(a.bf16), "lane": a.lane or "intra"}
     if ep > 1:
         shape["ep"] = ep
+    if cp > 1:
+        shape["cp"] = cp
     return shape
 
 
-def ep_lane(shape: dict) -> str:
-    """The EP group's lane: inside a node while TP × EP fits in one (8 GPUs per node in
-    every cluster file here), else across nodes."""
-    return "intra" if shape["tp"] * shape.get("ep", 1) <= 8 else "inter"
+def check_cp(cp: int, seq: int) -> None:
+    """A context-parallel size megatron accepts for this sequence length."""
+    if cp < 1:
+        raise CliError(f"--context-parallel-size must be a positive integer, got {cp}")
+    if cp > 1 and seq % (2 * cp):
+        raise CliError(f"--seq-length {seq} does not split into 2·CP = {2 * cp} chunks "
+                       f"(megatron's load-balanced context parallel, --context-parallel-size "
+                       f"{cp}); choose a multiple of {2 * cp}")
 
 
-def layer_for_shape(shape: dict):
-    """LayerOps for a shape dict (config, tp, sp, seq, mbs, bf16, lane)."""
+def node_size(cluster: Optional[str]) -> int:
+    """GPUs per node of a cluster (name or file); 8 without one, as in every file here."""
+    from dhelix.planner.costmodel import gpus_per_node, load_cluster
+    if not cluster:
+        return DEFAULT_GPUS_PER_NODE
+    return gpus_per_node(load_cluster(resolve_cluster(cluster)))
+
+
+def group_lane(span: int, gpus_per_node: int) -> str:
+    """The lane of a group whose ranks lie in one block of `span` consecutive ranks.
+    Megatron numbers ranks TP fastest, then CP, then DP (EP over those): a CP group is TP
+    apart inside TP×CP consecutive ranks, an EP group inside TP×EP. A node holds
+    `gpus_per_node` consecutive ranks, so the group stays in one node when its blocks
+    tile the node; a block that straddles two puts the ring across nodes on some ranks,
+    and every rank runs the same plan."""
+    return "intra" if span <= gpus_per_node and gpus_per_node % span == 0 else "inter"
+
+
+def ep_lane(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
+    """The EP group's lane: inside a node while TP × EP fits in one."""
+    return group_lane(shape["tp"] * shape.get("ep", 1), gpus_per_node)
+
+
+def cp_lane(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
+    """The CP ring's lane: inside a node while TP × CP fits in one."""
+    return group_lane(shape["tp"] * shape.get("cp", 1), gpus_per_node)
+
+
+def layer_for_shape(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE):
+    """LayerOps for a shape dict (config, tp, sp, seq, mbs, bf16, lane; ep, cp if > 1);
+    the EP and CP groups' lanes follow from `gpus_per_node` (the cluster's)."""
     from dhelix.models.config import ConfigError, load_model_config
     from dhelix.planner.shapes import layer_ops_for_shape
     cfg = load_model_config(shape["config"])
     try:
         return layer_ops_for_shape(cfg, shape["tp"], shape["sp"], shape["seq"], shape["mbs"],
                                    bf16=shape["bf16"], lane=shape["lane"],
-                                   ep=shape.get("ep", 1), ep_lane=ep_lane(shape))
+                                   ep=shape.get("ep", 1),
+                                   ep_lane=ep_lane(shape, gpus_per_node),
+                                   cp=shape.get("cp", 1),
+                                   cp_lane=cp_lane(shape, gpus_per_node))
     except (ValueError, AssertionError) as e:  # megatron's TransformerConfig checks
-        raise ConfigError(f"--config {shape['config']} with TP={shape['tp']}: {e}")
+        cp = f", CP={shape['cp']}" if shape.get("cp", 1) > 1 else ""
+        raise ConfigError(f"--config {shape['config']} with TP={shape['tp']}{cp}: {e}")
 
 
-def shape_str(shape: dict) -> str:
+def per_rank_shape(shape: dict) -> dict:
+    """The shape as one CP rank holds it: seq/CP tokens (what it sends to the next
+    pipeline stage)."""
+    cp = shape.get("cp", 1)
+    return dict(shape, seq=shape["seq"] // cp) if cp > 1 else shape
+
+
+def shape_str(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
     parts = [str(shape.get("config")), f"TP={shape.get('tp')}"]
     if shape.get("sp"):
         parts.append("SP")
+    if shape.get("cp", 1) > 1:
+        parts.append(f"CP={shape['cp']} ({cp_lane(shape, gpus_per_node)})")
     if shape.get("ep", 1) > 1:
-        parts.append(f"EP={shape['ep']} ({ep_lane(shape)})")
+        parts.append(f"EP={shape['ep']} ({ep_lane(shape, gpus_per_node)})")
     parts += [f"seq {shape.get('seq')}", f"mbs {shape.get('mbs')}",
               "bf16" if shape.get("bf16") else "fp32", f"lane {shape.get('lane')}"]
     return ", ".join(parts)

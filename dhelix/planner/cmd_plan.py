@@ -12,7 +12,7 @@ from typing import Optional
 from dhelix.planner.cli import (CliError, _add_cost_args, _add_planner_args, _add_shape_args,
                                 _cost_str, _expected_errors, _fail, _readable_budget_error,
                                 _shape_from_args, fmt_bytes, fmt_time, layer_for_shape,
-                                load_costs, parse_bytes, shape_str)
+                                load_costs, node_size, parse_bytes, shape_str)
 
 
 def make_plan(shape: dict, table: Optional[str] = None, cluster: Optional[str] = None,
@@ -20,7 +20,7 @@ def make_plan(shape: dict, table: Optional[str] = None, cluster: Optional[str] =
               force: bool = False):
     """Plan one layer shape; returns (plan, layer_ops) with the CLI's extra meta filled."""
     from dhelix.planner import dp
-    layer = layer_for_shape(shape)
+    layer = layer_for_shape(shape, node_size(cluster))
     costs, src = load_costs(layer, shape, table, cluster, force)
     p = dp.plan(layer, costs, memory_budget_bytes=memory_budget, backend=backend, force=force)
     p.meta["layer"] = layer.to_json()
@@ -41,7 +41,7 @@ def cmd_plan(a, argv) -> int:
     except OSError as e:
         return _fail("plan", CliError(f"--out {a.out}: cannot write the plan ({e.strerror})"))
     m = p.meta
-    print(f"dhelix plan: {shape_str(shape)}")
+    print(f"dhelix plan: {shape_str(shape, node_size(a.cluster))}")
     print(f"layer: {len(layer.forward)} forward x {len(layer.backward)} backward ops, "
           f"signature {layer.signature()}")
     print(f"costs: {_cost_str(m['cost_source'])}")

@@ -11,7 +11,8 @@ import os
 
 from dhelix.planner.cli import (CliError, _add_cost_args, _add_shape_args, _cost_str,
                                 _expected_errors, _fail, _shape_from_args, _shape_given,
-                                fmt_bytes, fmt_time, layer_for_shape, load_costs, shape_str)
+                                fmt_bytes, fmt_time, layer_for_shape, load_costs, node_size,
+                                per_rank_shape, shape_str)
 
 
 def _default_beside(plan_path: str, suffix: str) -> str:
@@ -27,9 +28,11 @@ def cmd_simulate(a, argv) -> int:
         plan = Plan.load(a.plan)
         meta = plan.meta or {}
         meta_shape = meta.get("shape") if isinstance(meta.get("shape"), dict) else None
+        table, cluster, force = _cost_source(a, meta)
+        gpn = node_size(cluster)       # which groups fit in a node: the CP and EP lanes
         if _shape_given(a):
             shape = _shape_from_args(a)
-            layer = layer_for_shape(shape)
+            layer = layer_for_shape(shape, gpn)
             layer_from = "the shape flags"
         elif isinstance(meta.get("layer"), dict):
             try:
@@ -41,26 +44,15 @@ def cmd_simulate(a, argv) -> int:
             layer_from = "the plan file"
         elif meta_shape:
             shape = dict(meta_shape)
-            layer = layer_for_shape(shape)
+            layer = layer_for_shape(shape, gpn)
             layer_from = "the plan's shape"
         else:
             raise CliError(f"{a.plan} does not record its layer (no meta.layer; not written by "
                            f"`dhelix plan`): give the shape flags --config, "
                            f"--tensor-model-parallel-size, --sequence-parallel, --seq-length, "
-                           f"--micro-batch-size, --bf16, --lane as for `dhelix plan`")
+                           f"--micro-batch-size, --bf16, --lane, --context-parallel-size "
+                           f"as for `dhelix plan`")
         validate(plan, layer, source=a.plan)
-        table, cluster, force = a.table, a.cluster, a.force
-        if not table and not cluster:
-            src = meta.get("cost_source")
-            if not isinstance(src, dict) or src.get("kind") not in ("table", "cluster"):
-                raise CliError(f"{a.plan} does not record its cost source: give --table PATH "
-                               f"or --cluster NAME")
-            if src["kind"] == "table":
-                table = src.get("path")
-                force = force or bool(src.get("forced"))     # forced when planned
-            else:
-                cluster = src.get("path") if src.get("path") and os.path.isfile(src["path"]) \
-                    else src.get("name")
         costs, src = load_costs(layer, shape, table, cluster, force)
         res = simulate(layer, plan, costs, force=force)
         triv = simulate(layer, trivial_plan(layer), costs, force=force)
@@ -70,7 +62,7 @@ def cmd_simulate(a, argv) -> int:
     print(f"dhelix simulate: {a.plan}  ({len(plan.steps)} steps, {plan.num_paired()} paired; "
           f"layer from {layer_from})")
     if shape:
-        print(f"shape: {shape_str(shape)}")
+        print(f"shape: {shape_str(shape, gpn)}")
     print(f"costs: {_cost_str(src)}")
     speed = triv.makespan / res.makespan if res.makespan > 0 else 1.0
     print(f"makespan:      {fmt_time(res.makespan)}  (trivial plan {fmt_time(triv.makespan)}, "
@@ -137,6 +129,23 @@ def _simulate_pipeline(a, layer, plan, costs, shape, cluster, force) -> int:
     return 0
 
 
+def _cost_source(a, meta: dict):
+    """(table, cluster, force): the flags', else the one the plan was made with."""
+    table, cluster, force = a.table, a.cluster, a.force
+    if not table and not cluster:
+        src = meta.get("cost_source")
+        if not isinstance(src, dict) or src.get("kind") not in ("table", "cluster"):
+            raise CliError(f"{a.plan} does not record its cost source: give --table PATH "
+                           f"or --cluster NAME")
+        if src["kind"] == "table":
+            table = src.get("path")
+            force = force or bool(src.get("forced"))     # forced when planned
+        else:
+            cluster = src.get("path") if src.get("path") and os.path.isfile(src["path"]) \
+                else src.get("name")
+    return table, cluster, force
+
+
 def _write_pictures(draw, trace: str, trace_json) -> bool:
     """The PNG and the Chrome trace; an unwritable path is one error line."""
     try:
@@ -152,7 +161,7 @@ def _write_pictures(draw, trace: str, trace_json) -> bool:
 def _p2p_seconds(a, shape, m, cluster):
     """One activation (or its grad) between stages: bytes over the pipeline lane."""
     from dhelix.folding.simulate import activation_bytes, cluster_p2p_seconds
-    nbytes = activation_bytes(shape, m.hidden_size)
+    nbytes = activation_bytes(per_rank_shape(shape), m.hidden_size)
     if a.p2p_gbps is not None:
         if a.p2p_gbps <= 0:
             raise CliError(f"--p2p-GBps {a.p2p_gbps}: give a positive bandwidth")

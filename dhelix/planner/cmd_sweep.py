@@ -13,20 +13,23 @@ from typing import Dict, List, Optional
 
 from dhelix.planner.cli import (DEFAULT_CLUSTERS, CliError, _add_planner_args, _dtype,
                                 _expected_errors, _fail, _readable_budget_error, _split_list,
-                                fmt_bytes, fmt_time, layer_for_shape, load_costs, parse_bytes,
-                                resolve_cluster, shapes_only_configs)
+                                add_cp_arg, check_cp, cp_lane, fmt_bytes, fmt_time,
+                                layer_for_shape, load_costs, node_size, parse_bytes,
+                                per_rank_shape, resolve_cluster, shapes_only_configs)
 
 
 def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, mbs: int,
           bf16: bool, lane: str = "intra", memory_budget: Optional[float] = None,
           backend: str = "auto", progress: bool = True, pp: int = 1,
-          microbatches: Optional[int] = None, ep: int = 1) -> List[Dict]:
+          microbatches: Optional[int] = None, ep: int = 1, cp: int = 1) -> List[Dict]:
     """One row per (config, cluster): predicted and trivial step time, speedup, or error;
-    with pp > 1 also the whole pipeline step of megatron 1F1B and the DHelix fold."""
+    with pp > 1 also the whole pipeline step of megatron 1F1B and the DHelix fold. With
+    context parallel `cp` > 1 every layer's attention is a ring over cp ranks (`seq` is the
+    global sequence length), inside a node or across by the cluster's GPUs per node."""
     from tqdm import tqdm
     rows = []
     combos = [(c, k) for c in configs for k in clusters]
-    layers: Dict[str, object] = {}
+    layers: Dict[tuple, object] = {}
     errors = _expected_errors()
     bar = tqdm(combos, desc="plan-sweep", unit="plan", disable=not progress, file=sys.stderr)
     for cfg, clu in bar:
@@ -35,12 +38,17 @@ def sweep(configs: List[str], clusters: List[str], tp: int, sp: bool, seq: int, 
                  "bf16": bf16, "lane": lane}
         if ep > 1 and _is_moe(cfg):               # EP applies to the MoE configs only
             shape["ep"] = ep
+        if cp > 1:
+            shape["cp"] = cp
         row = {"config": cfg, "cluster": clu, "shape": shape}
         try:
             from dhelix.planner import dp
-            if cfg not in layers:
-                layers[cfg] = layer_for_shape(shape)
-            layer = layers[cfg]
+            gpn = node_size(clu)                  # the CP/EP lanes depend on the node size
+            if cp > 1:
+                row["cp_lane"] = cp_lane(shape, gpn)
+            if (cfg, gpn) not in layers:
+                layers[(cfg, gpn)] = layer_for_shape(shape, gpn)
+            layer = layers[(cfg, gpn)]
             costs, src = load_costs(layer, shape, None, clu, False)
             p = dp.plan(layer, costs, memory_budget_bytes=memory_budget, backend=backend)
             m = p.meta
@@ -73,7 +81,7 @@ def _pipeline(layer, plan, costs, shape, cluster, pp, microbatches) -> Dict:
     from dhelix.models.config import load_model_config
     from dhelix.planner.costmodel import load_cluster
     m = load_model_config(shape["config"])
-    p2p = cluster_p2p_seconds(activation_bytes(shape, m.hidden_size),
+    p2p = cluster_p2p_seconds(activation_bytes(per_rank_shape(shape), m.hidden_size),
                               load_cluster(resolve_cluster(cluster)), "inter")
     res = simulate_pipeline(LayerCosts.from_plan(layer, plan, costs), m.num_layers, pp,
                             microbatches, p2p)
@@ -158,23 +166,32 @@ def cmd_plan_sweep(a, argv) -> int:
                         ("--expert-model-parallel-size", a.expert_model_parallel_size)):
             if v <= 0:
                 raise CliError(f"{flag} must be a positive integer, got {v}")
+        check_cp(a.context_parallel_size, a.seq_length)    # the same for every row
         budget = None if a.memory_budget is None else parse_bytes(a.memory_budget)
     except _expected_errors() as e:
         return _fail("plan-sweep", e)
     tp, sp = a.tensor_model_parallel_size, a.sequence_parallel
     pp, dp_size = a.pipeline_model_parallel_size, a.data_parallel_size
     nmb = a.num_microbatches or 2 * pp
-    ep = a.expert_model_parallel_size
+    ep, cp = a.expert_model_parallel_size, a.context_parallel_size
     rows = sweep(configs, clusters, tp, sp, a.seq_length, a.micro_batch_size, a.bf16,
                  a.lane, budget, a.backend, progress=not a.no_progress, pp=pp,
-                 microbatches=nmb, ep=ep)
+                 microbatches=nmb, ep=ep, cp=cp)
     setting = (f"TP={tp}{', SP' if sp and tp > 1 else ''}, seq {a.seq_length}, "
                f"mbs {a.micro_batch_size}, {_dtype(a.bf16)}, lane {a.lane}")
+    if cp > 1:
+        ring = sorted({r["cp_lane"] for r in rows if "cp_lane" in r})
+        setting += (f", CP={cp} (ring attention, {a.seq_length // cp} tokens per rank"
+                    + (f", {'/'.join(ring)}-node" if ring else "") + ")")
     if ep > 1:
         setting += f", EP={ep} for MoE configs"
-    if pp > 1 or dp_size > 1:
-        setting += (f"; DP={dp_size} × TP={tp} × PP={pp} = {dp_size * tp * pp} GPUs, "
-                    f"{nmb} micro-batches per step")
+    if pp > 1 or dp_size > 1 or cp > 1:
+        # megatron's world: DP = world / (TP·CP·PP); EP is carved out of DP·CP
+        cp_txt = f" × CP={cp}" if cp > 1 else ""
+        setting += (f"; DP={dp_size} × TP={tp}{cp_txt} × PP={pp} = "
+                    f"{dp_size * tp * cp * pp} GPUs")
+        if pp > 1 or dp_size > 1:
+            setting += f", {nmb} micro-batches per step"
     print(f"dhelix plan-sweep: {len(configs)} configs x {len(clusters)} clusters at {setting}; "
           f"analytical costs; predicted layer-step time (one α forward + one β backward)" +
           ("; pipeline step: megatron 1F1B vs the DHelix fold (P2P over the inter-node "
@@ -193,7 +210,7 @@ def cmd_plan_sweep(a, argv) -> int:
                 "tp": tp, "sp": sp and tp > 1, "seq": a.seq_length, "mbs": a.micro_batch_size,
                 "bf16": a.bf16, "lane": a.lane, "memory_budget_bytes": budget,
                 "pp": pp, "dp": dp_size, "num_microbatches": nmb,
-                "ep": a.expert_model_parallel_size,
+                "ep": a.expert_model_parallel_size, "cp": cp,
                 "backend": a.backend}, "rows": rows}, f, indent=1)
         sweep_chart(rows, a.png, f"DHelix planner, predicted speedup vs trivial plan ({setting})")
     except OSError as e:
@@ -235,8 +252,10 @@ def add_parser(sub) -> None:
     w.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
                    help="EP for the MoE configs (phi-3.5-moe): experts over P ranks, "
                         "all-to-all as planned ops (default 1)")
+    add_cp_arg(w, default=1)
     w.add_argument("--data-parallel-size", type=int, default=1, metavar="D",
-                   help="DP size of the layout (reported; default 1)")
+                   help="DP size of the layout (reported; default 1); the GPUs are "
+                        "DP × TP × CP × PP")
     w.add_argument("--num-microbatches", type=int, default=None, metavar="N",
                    help="micro-batches per step for the pipeline (default 2G)")
     _add_planner_args(w)
