@@ -17,6 +17,11 @@ megatron's 1F1B, megatron's interleaved (two chunks per stage, like the fold) an
 DHelix fold with the planner's plan; the table adds per-stage peak memory, the measured
 idle share of every stage (1 - its main thread's CPU time / step time) and what the
 pipeline simulator predicts for both from the same profiled table.
+
+With --context-parallel-size C > 1 the baseline is megatron's layer with DHelix's ring
+attention run op after op (megatron-core's local spec has no CP attention) and the
+planned rows add what the simulator predicted for the layer (trivial plan / plan) from
+the same table the run planned with.
 """
 from __future__ import annotations
 
@@ -54,6 +59,9 @@ def register(sub):
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="G",
                    help="G > 1: compare the pipeline schedules (1F1B, interleaved, DHelix "
                         "fold) on TP × G ranks (default: %(default)s)")
+    p.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
+                   help="C > 1: every sequence over C ranks, ring attention; --nproc must "
+                        "hold TP×C (default: %(default)s)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
                    help="MoE configs (tiny-moe, small-moe): experts over P ranks, all-to-all "
                         "between them; rows megatron, DHelix trivial, DHelix plan "
@@ -127,8 +135,8 @@ def _split_links(text: str) -> List[str]:
 
 
 def _argv(a, cfg, out_json, method, cluster, trace):
-    pp = a.pipeline_model_parallel_size
-    dp = a.nproc // (a.tensor_model_parallel_size * pp)
+    pp, cp = a.pipeline_model_parallel_size, a.context_parallel_size
+    dp = a.nproc // (a.tensor_model_parallel_size * pp * cp)
     argv = ["train", "--config", cfg, "--tensor-model-parallel-size",
             str(a.tensor_model_parallel_size), "--sequence-parallel", "--seq-length",
             str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
@@ -145,6 +153,8 @@ def _argv(a, cfg, out_json, method, cluster, trace):
     if a.expert_model_parallel_size > 1:
         argv += ["--expert-model-parallel-size", str(a.expert_model_parallel_size),
                  "--expert-tensor-parallel-size", "1"]
+    if cp > 1:
+        argv += ["--context-parallel-size", str(cp)]
     if pp > 1:
         # every schedule starts from one PP=1 checkpoint: megatron would initialise each
         # layout's stages from different seeds
@@ -164,7 +174,8 @@ def _profile_argv(a, cfg, out_table):
             str(a.tensor_model_parallel_size), "--sequence-parallel", "--seq-length",
             str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size), "--warmup", "1",
             "--repeats", str(a.profile_repeats), "--out", out_table,
-            "--expert-model-parallel-size", str(a.expert_model_parallel_size)]
+            "--expert-model-parallel-size", str(a.expert_model_parallel_size),
+            "--context-parallel-size", str(a.context_parallel_size)]
 
 
 def _trace_totals(path: str) -> Dict[str, float]:
@@ -210,7 +221,8 @@ def run(a, argv) -> int:
     log = os.path.join(work, "runs.log")
     rows: List[dict] = []
     methods = PP_METHODS if a.pipeline_model_parallel_size > 1 else \
-        EP_METHODS if a.expert_model_parallel_size > 1 else METHODS
+        EP_METHODS if a.expert_model_parallel_size > 1 or a.context_parallel_size > 1 \
+        else METHODS
     per = len(methods) * a.rounds + (a.planner_source == "table")
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
@@ -232,9 +244,10 @@ def run(a, argv) -> int:
                     if a.planner_source == "table":
                         cluster = os.path.join(work, f"table-{cfg}-{link}.json")
                         bar.set_postfix_str(f"{cfg} {link} profile")
-                        # the layer's TP (× EP) group alone: the table is per layer
+                        # the layer's TP (× EP × CP) groups alone: the table is per layer
                         rc = spawn_local(a.tensor_model_parallel_size *
-                                         a.expert_model_parallel_size,
+                                         a.expert_model_parallel_size *
+                                         a.context_parallel_size,
                                          _profile_argv(a, cfg, cluster), prefix=prefix,
                                          extra_env=env, timeout_s=3600, log=log)
                         if rc != 0:
@@ -269,7 +282,8 @@ def run(a, argv) -> int:
                     if a.pipeline_model_parallel_size > 1:
                         rows += _pp_rows(a, cfg, link, res, cluster)
                     else:
-                        rows += _rows(cfg, link, res, _trace_totals(trace), methods)
+                        rows += _rows(cfg, link, res, _trace_totals(trace), methods,
+                                      _layer_prediction(a, cfg, cluster))
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2
@@ -291,7 +305,23 @@ def run(a, argv) -> int:
     return 0
 
 
-def _rows(cfg, link, res, tr, methods=METHODS) -> List[dict]:
+def _layer_prediction(a, cfg, cost_source) -> float:
+    """The simulator's layer speedup (trivial plan / planned) from the costs the planned
+    run used."""
+    from dhelix.planner import dp
+    from dhelix.planner.cli import layer_for_shape, load_costs
+    tp = a.tensor_model_parallel_size
+    shape = {"config": cfg, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
+             "mbs": a.micro_batch_size, "bf16": False, "lane": "intra",
+             "ep": a.expert_model_parallel_size, "cp": a.context_parallel_size}
+    layer = layer_for_shape(shape)
+    table = cost_source if cost_source.endswith(".json") else None
+    costs, _ = load_costs(layer, shape, table, None if table else cost_source, False)
+    meta = dp.plan(layer, costs).meta
+    return meta["trivial_predicted_s"] / meta["predicted_s"]
+
+
+def _rows(cfg, link, res, tr, methods=METHODS, sim_layer=None) -> List[dict]:
     base = step_time(res["megatron"])
     triv = step_time(res["dhelix-trivial"])
     comp, comm = tr["layer_compute_s"], tr["layer_comm_s"]
@@ -311,6 +341,7 @@ def _rows(cfg, link, res, tr, methods=METHODS) -> List[dict]:
             "lower_bound_s": lower, "layer_compute_s": comp, "layer_comm_s": comm,
             "hidden_share": (base - t) / exposed if m != "megatron" else 0.0,
             "final_loss": res[m]["losses"][-1],
+            "sim_layer_speedup": sim_layer if m == "dhelix-plan" else None,
         })
     return out
 
@@ -382,16 +413,22 @@ def pp_markdown(rows) -> str:
 
 def markdown(rows) -> str:
     lines = ["| model | link | method | tokens/s | speedup | step ms | lower bound ms | "
-             "compute / comm ms (comm/compute) | exposed comm hidden | peak act. vs base |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "compute / comm ms (comm/compute) | exposed comm hidden | peak act. vs base | "
+             "sim. layer |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["layer_comm_s"] / max(r["layer_compute_s"], 1e-12)
         lines.append(
             f"| {r['config']} | {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | "
             f"{r['speedup']:.2f}x | {r['step_s'] * 1e3:.0f} | {r['lower_bound_s'] * 1e3:.0f} | "
             f"{r['layer_compute_s'] * 1e3:.0f} / {r['layer_comm_s'] * 1e3:.0f} ({ratio:.2f}) | "
-            f"{r['hidden_share'] * 100:.0f}% | {r['memory_vs_baseline']:.2f}x |")
+            f"{r['hidden_share'] * 100:.0f}% | {r['memory_vs_baseline']:.2f}x | "
+            f"{_x(r.get('sim_layer_speedup'))} |")
     return "\n".join(lines)
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def plot(rows, path, methods=METHODS, baseline="megatron-core"):

@@ -195,7 +195,8 @@ def _comm_names(ops):
 
 SHAPE_FIELDS = {"hidden": "hidden_size", "ffn": "ffn_hidden_size", "seq": "seq_length",
                 "mbs": "micro_batch_size", "tp": "tensor_model_parallel_size",
-                "sp": "sequence_parallel", "dtype_bytes": "dtype bytes"}
+                "sp": "sequence_parallel", "cp": "context_parallel_size",
+                "dtype_bytes": "dtype bytes"}
 
 
 def shape_difference(planned, current) -> str:

@@ -29,7 +29,10 @@ A step is replayed the way the executor (`strand.executor.execute_step`) runs it
 
 Which op reads a comm op's result (`comm_readers`): the next op of its chain that is not
 a wgrad op; for a comm op that is itself a wgrad op (the re-gather of a wgrad's input),
-the wgrad op that names it in `after`.
+the wgrad op that names it in `after`. A ring exchange of context parallel (group "cp")
+is issued one attention step ahead: it runs under the `attn_i`/`attn_b_i` that follows
+it and is read by the op after that step (the next exchange, which forwards the block, or
+the last step); the final `kv_b_C` is read by `attn_in_b` at once.
 
 `LaneModel.step` is the single-step function; the DP planner (and the C++ core, which
 mirrors it operation by operation so both give bit-identical times) uses it as the cost
@@ -214,7 +217,11 @@ def comm_readers(chain) -> List[int]:
         if o.wgrad:
             out[c] = next((k for k, r in enumerate(chain) if r.after == o.name), -1)
         else:
-            out[c] = next((k for k in range(c + 1, len(chain)) if not chain[k].wgrad), -1)
+            start = c + 1
+            if o.group == "cp" and start < len(chain) and chain[start].name.startswith(
+                    ("attn_", "attn_b_")) and chain[start].name != "attn_in_b":
+                start += 1        # a ring exchange runs under the attention step after it
+            out[c] = next((k for k in range(start, len(chain)) if not chain[k].wgrad), -1)
     return out
 
 

@@ -52,14 +52,19 @@ def _on_ranks(a, argv, body) -> int:
             moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size))
         info = init_distributed()
         tp, ep = a.tensor_model_parallel_size, a.expert_model_parallel_size
-        if info.world_size % tp or (info.world_size // tp) % ep:
+        cp = a.context_parallel_size
+        if cp < 1 or info.world_size % (tp * cp) or (info.world_size // tp) % ep:
             raise ValueError(f"world size {info.world_size} is not divisible by "
                              f"--tensor-model-parallel-size {tp} × "
-                             f"--expert-model-parallel-size {ep}")
+                             f"--context-parallel-size {cp} (or by "
+                             f"--expert-model-parallel-size {ep})")
+        if cp > 1:
+            from dhelix.models.ring_attention import check_split
+            check_split(a.seq_length, cp)
         if ep > 1 and not m.num_experts:
             raise ValueError(f"--expert-model-parallel-size {ep}: {m.name} has no experts")
         h = LayerHarness(m, tp, a.sequence_parallel, a.seq_length,
-                         a.micro_batch_size, a.bf16, a.seed, info.device, ep=ep)
+                         a.micro_batch_size, a.bf16, a.seed, info.device, ep=ep, cp=cp)
         body(h, m, info.rank == 0)
     return run_here(a.cmd, on_rank)
 

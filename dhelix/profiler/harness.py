@@ -22,7 +22,7 @@ from dhelix.strand.state import StrandState
 class LayerHarness:
     def __init__(self, m: ModelConfig, tp: int, sp: bool, seq: int, mbs: int,
                  bf16: bool = False, seed: int = 1234, device: Optional[torch.device] = None,
-                 ep: int = 1):
+                 ep: int = 1, cp: int = 1):
         from megatron.core import parallel_state
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -41,23 +41,26 @@ class LayerHarness:
         etp = 1 if m.num_experts else None
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
                                                  expert_model_parallel_size=ep,
-                                                 expert_tensor_parallel_size=etp)
+                                                 expert_tensor_parallel_size=etp,
+                                                 context_parallel_size=cp)
         torch.manual_seed(seed)
         model_parallel_cuda_manual_seed(seed)
         self.device = device or torch.device("cpu")
-        self.cfg = transformer_config(m, tp=tp, sequence_parallel=sp, bf16=bf16, ep=ep, etp=etp)
-        spec = layer_spec(DHelixLayer, m.num_experts) if m.num_experts else \
+        self.cfg = transformer_config(m, tp=tp, sequence_parallel=sp, bf16=bf16, ep=ep, etp=etp,
+                                      cp=cp)
+        spec = layer_spec(DHelixLayer, m.num_experts, cp) if m.num_experts or cp > 1 else \
             get_dhelix_layer_spec()
         self.layer = build_module(spec, config=self.cfg, layer_number=1).to(self.device)
         self.program = self.layer.program
         self.ops = self.program.layer_ops(seq, mbs)
         self.seq, self.mbs, self.tp, self.sp, self.ep = seq, mbs, tp, sp and tp > 1, ep
+        self.cp = cp
         rope = None
-        if m.position_embedding_type == "rope":
+        if m.position_embedding_type == "rope":    # megatron slices it for the CP rank
             rope = RotaryEmbedding(kv_channels=self.cfg.kv_channels, rotary_percent=1.0,
                                    use_cpu_initialization=True)(seq).to(self.device)
         self.meta = {"attention_mask": None, "rotary_pos_emb": rope}
-        s_local = seq // tp if self.sp else seq
+        s_local = seq // cp // tp if self.sp else seq // cp
         g = torch.Generator().manual_seed(seed)
         shape = (s_local, mbs, m.hidden_size)
         self.x = torch.randn(shape, generator=g).to(self.cfg.params_dtype).to(self.device)

@@ -92,6 +92,8 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     check_positive(cfg)
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     cp = cfg.context_parallel_size
+    if cp < 1:
+        raise ConfigError(f"--context-parallel-size {cp}: must be a positive integer")
     if cfg.data_parallel_size is not None:
         if tp * pp * cp * cfg.data_parallel_size != world:
             raise ConfigError(
@@ -167,8 +169,6 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
 
 def _check_context_parallel(cfg: TrainConfig, m: ModelConfig, cp: int) -> None:
     from dhelix.models.ring_attention import check_split
-    if cp < 1:
-        raise ConfigError(f"--context-parallel-size {cp}: must be a positive integer")
     if cp == 1:
         return
     try:
