@@ -75,8 +75,13 @@ if [ "$ngpu" -ge 2 ]; then
   echo "== 3c. MoE, EP=2 over NCCL (megatron's MoE block; the baseline only)"
   run 180 --config tiny-moe --nproc 2 --expert-model-parallel-size 2 --train-iters 10 \
     --json "$out/moe-ep2.json"
+  echo "== 3e. CP=2: ring attention over NCCL (batched P2P on the lane stream); DHelix ≡ baseline"
+  cpa=(--config tiny-llama --nproc 2 --context-parallel-size 2 --seq-length 128 --train-iters 10)
+  run 180 "${cpa[@]}" --json "$out/cp2-base.json"
+  run 180 "${cpa[@]}" --dhelix --json "$out/cp2-dhelix.json" \
+    && compare "$out/cp2-base.json" "$out/cp2-dhelix.json" 1e-5
 else
-  echo "== 3. skipped: TP=2, PP=2 (the fold) and EP=2 need 2 GPUs (NCCL refuses two ranks on one)"
+  echo "== 3. skipped: TP=2, PP=2 (the fold), EP=2 and CP=2 need 2 GPUs (NCCL refuses two ranks on one)"
 fi
 echo "== 3d. MoE on 1 GPU (megatron's MoE block, no Transformer Engine needed)"
 run 120 --config tiny-moe --train-iters 10 --json "$out/moe-1gpu.json"

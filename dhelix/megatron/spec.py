@@ -31,15 +31,22 @@ def with_dhelix_layer(spec):
 
 def get_dhelix_layer_spec(*args, normalization: str = None, **kwargs) -> ModuleSpec:
     """Megatron's local GPT layer spec with the DHelix layer. On a machine without CUDA
-    the CPU-safe spec (torch norm with sequence parallel, SDPA core attention)."""
+    the CPU-safe spec (torch norm with sequence parallel, SDPA core attention). With
+    --context-parallel-size > 1 (read from Megatron's args) the core attention is DHelix's
+    ring (megatron's local DotProductAttention refuses context parallel)."""
     import torch
+    cp = getattr(args[0], "context_parallel_size", 1) if args else 1
     if not torch.cuda.is_available():
         from dhelix.models.spec import layer_spec
-        return layer_spec(DHelixLayer)
+        return layer_spec(DHelixLayer, context_parallel_size=cp)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     if normalization is None and args and hasattr(args[0], "normalization"):
         normalization = args[0].normalization      # called with Megatron's args
-    return with_dhelix_layer(get_gpt_layer_local_spec(normalization=normalization))
+    spec = with_dhelix_layer(get_gpt_layer_local_spec(normalization=normalization))
+    if cp > 1:
+        from dhelix.models.ring_attention import RingAttention
+        spec.submodules.self_attention.submodules.core_attention = RingAttention
+    return spec
 
 
 dhelix_layer_spec = get_dhelix_layer_spec()
