@@ -36,6 +36,18 @@ def time_collectives():
     w2.wait()
     res["fifo"] = {"first": t1, "both": time.perf_counter() - t,
                    "model": res["all_reduce"]["model"]}
+    # a ring step (send to one neighbour, receive from the other) on a full-duplex link:
+    # one transfer's time, the cost model's "send_recv"; two sends queue
+    dist.barrier()
+    peer = 1 - dist.get_rank()
+    t = time.perf_counter()
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer, g),
+                                    dist.P2POp(dist.irecv, torch.empty_like(x), peer, g)])
+    for w in works:
+        w.wait()
+    res["ring_step"] = {"wall": time.perf_counter() - t,
+                        "model": collective_seconds("send_recv", x.numel() * 4, 2,
+                                                    link.rate, link.latency)}
     # the default group is control traffic: not paced
     dist.barrier()
     t = time.perf_counter()

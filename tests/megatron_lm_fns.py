@@ -45,7 +45,9 @@ def init_megatron(argv):
     args = get_args()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size)
     model_parallel_cuda_manual_seed(args.seed)
     return args
 
@@ -72,6 +74,7 @@ def train_real(argv, dhelix, steps=3):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
+    from megatron.core.utils import get_batch_on_this_cp_rank
     from dhelix.megatron.install import install, uninstall
     from dhelix.strand.layer import DHelixLayer
     uninstall()
@@ -93,7 +96,7 @@ def train_real(argv, dhelix, steps=3):
 
         g = torch.Generator().manual_seed(7)
         nmb = args.global_batch_size // args.micro_batch_size
-        losses = []
+        losses, sums = [], []
         for it in range(steps):
             batches = []
             for _ in range(nmb):
@@ -104,6 +107,8 @@ def train_real(argv, dhelix, steps=3):
                                                         args.seq_length),
                                 "position_ids": torch.arange(args.seq_length).repeat(
                                     args.micro_batch_size, 1)})
+            # pretrain_gpt's get_batch: this CP rank's two chunks (megatron-core's function)
+            batches = [get_batch_on_this_cp_rank(b) for b in batches]
             it_data = RerunDataIterator(iter(batches))   # as build_train_valid_test_data_iterators
 
             def forward_step(data_iterator, model):
@@ -121,6 +126,7 @@ def train_real(argv, dhelix, steps=3):
                          micro_batch_size=args.micro_batch_size, forward_only=False)
             losses.append([float(o["lm loss"][0] / o["lm loss"][1]) if o["lm loss"].numel() == 2
                            else float(o["lm loss"]) for o in out])
+            sums.append([[float(x) for x in o["lm loss"]] for o in out])
             # a fixed SGD step on megatron's main grads, so later steps see new weights
             with torch.no_grad():
                 for p in model.parameters():
@@ -130,4 +136,4 @@ def train_real(argv, dhelix, steps=3):
         uninstall()
     del opt
     return {"installed": installed, "layers": layers, "schedule": schedule,
-            "losses": losses, "grad_abs_sum": grad_sum}
+            "losses": losses, "loss_sums": sums, "grad_abs_sum": grad_sum}

@@ -39,6 +39,8 @@ def test_paced_link_delays_to_the_model_holding_no_cpu():
         f = res["fifo"]
         assert f["first"] >= f["model"] * 0.99
         assert f["both"] >= 2 * f["model"] * 0.99              # the second queued
+        r = res["ring_step"]                                   # full duplex: one transfer
+        assert r["model"] * 0.99 <= r["wall"] <= r["model"] * 1.1 + 0.005, r
         assert res["default_group_s"] < 0.05
 
 

@@ -46,6 +46,23 @@ def test_real_builder_and_schedule_train_like_megatron():
         assert b["grad_abs_sum"] == d["grad_abs_sum"]
 
 
+def test_real_megatron_lm_with_context_parallel():
+    """Megatron-LM's builder after the hook, --context-parallel-size 2 --dhelix: the DHelix
+    layers get the ring (megatron's local spec has no CP attention), batches are cut by
+    megatron-core's get_batch_on_this_cp_rank as pretrain_gpt's get_batch does, and the
+    whole sequence's loss (both CP ranks' sums over their tokens) and the later steps equal
+    the CP=1 run's."""
+    one = run_ranks(fns.train_real, 1, fns.SMALL, True, timeout=400)[0]
+    two = run_ranks(fns.train_real, 2, fns.SMALL + ["--context-parallel-size", "2"], True,
+                    timeout=400)
+    assert two[0]["schedule"] == "forward_backward_dhelix"
+    for step, mbs in enumerate(one["loss_sums"]):
+        for k, (s1, n1) in enumerate(mbs):
+            (sa, na), (sb, nb) = two[0]["loss_sums"][step][k], two[1]["loss_sums"][step][k]
+            assert na + nb == n1 and na == nb
+            assert abs((sa + sb) / (na + nb) - s1 / n1) <= 1e-5 * abs(s1 / n1), (step, k)
+
+
 def test_wrapper_reaches_megatron_pretrain():
     """scripts/pretrain_gpt_dhelix.py takes the --dhelix flags off, installs the hook into
     Megatron-LM's training module and runs its pretrain_gpt.py unchanged — here until

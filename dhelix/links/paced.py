@@ -134,10 +134,15 @@ class PacedLink:
         return self._keys[k]
 
     def schedule(self, pg, collective: str, nbytes: int) -> Optional[float]:
-        """The modelled completion time of a collective issued now (host clock)."""
+        """The modelled completion time of a collective issued now (host clock). Links
+        are full duplex: a send and a receive queue on the two directions of the group's
+        link, so a ring step (send to one neighbour, receive from the other) takes one
+        transfer, as the cost model's "send_recv" says; collectives use both directions."""
         key = self.link_of(pg)
         if key is None:
             return None
+        if collective in ("send", "recv"):
+            key = f"{key}:{collective}"
         dur = collective_seconds(collective, float(nbytes), pg.size(), self.rate,
                                  self.latency)
         with self.lock:
