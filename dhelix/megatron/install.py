@@ -31,7 +31,7 @@ def install(args) -> bool:
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.pipeline_parallel import schedules
 
-    from dhelix.megatron.spec import with_dhelix_layer
+    from dhelix.megatron.spec import with_dhelix_layer, with_ring_attention
     from dhelix.schedules.dhelix import DHelixSchedule, forward_backward_dhelix
 
     schedule = DHelixSchedule(dhelix_options(args))
@@ -53,7 +53,8 @@ def install(args) -> bool:
 
     @functools.wraps(orig_local)
     def local_spec(*a, **k):
-        return with_dhelix_layer(orig_local(*a, **k))
+        return with_ring_attention(with_dhelix_layer(orig_local(*a, **k)),
+                                   getattr(args, "context_parallel_size", 1))
     gpt_layer_specs.get_gpt_layer_local_spec = local_spec
     # Megatron-LM's gpt_builders imports the spec function by name: patch its copy too
     builders = sys.modules.get("gpt_builders")

@@ -42,8 +42,14 @@ def get_dhelix_layer_spec(*args, normalization: str = None, **kwargs) -> ModuleS
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     if normalization is None and args and hasattr(args[0], "normalization"):
         normalization = args[0].normalization      # called with Megatron's args
-    spec = with_dhelix_layer(get_gpt_layer_local_spec(normalization=normalization))
-    if cp > 1:
+    return with_ring_attention(
+        with_dhelix_layer(get_gpt_layer_local_spec(normalization=normalization)), cp)
+
+
+def with_ring_attention(spec, context_parallel_size: int):
+    """With context parallel, the layer's core attention becomes DHelix's ring (megatron's
+    local DotProductAttention asserts CP = 1; its CP attention is Transformer Engine's)."""
+    if context_parallel_size > 1 and isinstance(spec, ModuleSpec):
         from dhelix.models.ring_attention import RingAttention
         spec.submodules.self_attention.submodules.core_attention = RingAttention
     return spec
