@@ -1,0 +1,123 @@
+"""The torch.compile backend: AOT autograd's forward and backward graphs through the
+passes, each pass's work written to a report.
+
+    from dhelix.helix import HelixOptions, helix_backend
+    model = torch.compile(model, backend=helix_backend(HelixOptions(tiles=2)))
+
+The graphs run as FX programs (no Inductor): the passes decide the order of the ops,
+the ops are PyTorch's own.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.fx as fx
+
+from dhelix.helix.check import check_dependencies
+from dhelix.helix.reorder import round_robin
+from dhelix.helix.tiling import Dim, Layouts, tile
+
+C10D = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")
+
+
+@dataclass
+class HelixOptions:
+    tiles: int = 2                 # K tile streams (1: no tiling)
+    reorder: bool = True           # segmented round-robin of the streams
+    batch_dim: int = 0             # the batch dimension of the program's inputs
+
+
+@dataclass
+class HelixReport:
+    """What the passes did, one entry per graph (forward, backward)."""
+    graphs: List[Dict] = field(default_factory=list)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"graphs": self.graphs}, f, indent=1)
+
+    def summary(self) -> str:
+        return "\n".join(
+            f"helix {g['graph']}: {g['ops_before']} ops -> {g['ops_after']} | "
+            f"{g['tiles']} streams, {g['split_ops']} ops split, {g['shared_ops']} run once | "
+            f"collectives {g['collectives_before']} -> {g['collectives_after']} | segments "
+            f"{g['segments']} | {g['dependencies_checked']} dependencies kept"
+            for g in self.graphs)
+
+
+def _collectives(g: fx.Graph) -> int:
+    return sum(1 for n in g.nodes if n.op == "call_function" and
+               getattr(getattr(n.target, "overloadpacket", None), "__name__", "") in C10D)
+
+
+def _ops(g: fx.Graph) -> int:
+    return sum(1 for n in g.nodes if n.op == "call_function")
+
+
+def _is_batch_input(x) -> bool:
+    """A plain tensor input of the program (parameters arrive as Parameters or, under
+    tensor parallel, as DTensors; meshes and process groups are not tensors)."""
+    return type(x) is torch.Tensor
+
+
+def helix_backend(options: Optional[HelixOptions] = None,
+                  report: Optional[HelixReport] = None):
+    """A torch.compile backend applying the Helix passes (see the package doc)."""
+    from torch._dynamo.backends.common import aot_autograd
+    opts = options or HelixOptions()
+    rep = report if report is not None else HelixReport()
+
+    def run_passes(gm: fx.GraphModule, inputs: Dict[str, object], name: str):
+        before = gm.graph
+        t = tile(gm, inputs, opts.tiles)
+        segs = round_robin(t) if opts.reorder else {}
+        checked = check_dependencies(before, t)
+        rep.graphs.append({
+            "graph": name, "tiles": opts.tiles, "ops_before": _ops(before),
+            "ops_after": _ops(t.gm.graph), "split_ops": t.split_ops,
+            "shared_ops": t.shared_ops, "collectives_before": _collectives(before),
+            "collectives_after": _collectives(t.gm.graph), "segments": segs,
+            "dependencies_checked": checked, "options": asdict(opts)})
+        return t
+
+    def backend(gm: fx.GraphModule, example_inputs):
+        # every tensor input (a DTensor too) becomes one tensor placeholder of AOT's graph,
+        # in order; meshes and process groups become opaque ones in between
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        state: Dict[str, object] = {}
+
+        def fw(fgm: fx.GraphModule, ex):
+            phs = [n for n in fgm.graph.nodes if n.op == "placeholder"
+                   and isinstance(n.meta.get("val"), torch.Tensor)]
+            inputs = {}
+            for x, ph in zip(tensors, phs):
+                if _is_batch_input(x):
+                    if tuple(ph.meta["val"].shape) != tuple(x.shape):
+                        raise RuntimeError(f"helix: input of shape {tuple(x.shape)} does not "
+                                           f"match graph input {ph.name}")
+                    inputs[ph.name] = Dim(opts.batch_dim)
+            layouts = Layouts(fgm.graph, inputs, opts.tiles)
+            out = next(n for n in fgm.graph.nodes if n.op == "output")
+            state["by_name"] = {n.name: layouts.get(n) for n in fgm.graph.nodes}
+            state["outputs"] = [layouts.get(a) for a in out.args[0]]
+            return run_passes(fgm, inputs, "forward").gm
+
+        def bw(bgm: fx.GraphModule, ex):
+            by_name, outs = state["by_name"], state["outputs"]
+            inputs = {}
+            for n in bgm.graph.nodes:
+                if n.op != "placeholder":
+                    continue
+                if n.name.startswith("tangents_"):
+                    inputs[n.name] = outs[int(n.name.split("_")[1]) - 1]
+                elif n.name in by_name:
+                    inputs[n.name] = by_name[n.name]
+            return run_passes(bgm, inputs, "backward").gm
+
+        return aot_autograd(fw_compiler=fw, bw_compiler=bw)(gm, example_inputs)
+
+    backend.report = rep
+    return backend
