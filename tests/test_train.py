@@ -82,7 +82,7 @@ def test_world_not_divisible():
     m = load_model_config("tiny")
     with pytest.raises(ConfigError, match="world size 3 is not divisible"):
         check_layout(TrainConfig(tensor_model_parallel_size=2), m, 3)
-    with pytest.raises(ConfigError, match="world size 4 is not TP×PP×DP = 2×1×1"):
+    with pytest.raises(ConfigError, match="world size 4 is not TP×CP×PP×DP = 2×1×1×1"):
         check_layout(TrainConfig(tensor_model_parallel_size=2, data_parallel_size=1), m, 4)
 
 
