@@ -2,75 +2,8 @@
 parallel API (DTensor), compiled with the Helix backend, against eager execution."""
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-
-class Block(torch.nn.Module):
-    """A pre-norm transformer block: causal attention and a GeLU MLP, [b, s, h]."""
-
-    def __init__(self, h=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
-        self.qkv, self.proj = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h)
-        self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
-
-    def attention(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1)           # local heads under TP
-        q, k, v = (t.reshape(b, s, -1, 32 // self.heads).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-1, -2) * (32 // self.heads) ** -0.5
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        p = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-        return self.proj((p @ v).transpose(1, 2).reshape(b, s, -1))
-
-    def forward(self, x):
-        x = x + self.attention(self.norm1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
-
-
-class GPT(torch.nn.Module):
-    def __init__(self, vocab=64, h=32, layers=2):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, h)
-        self.blocks = torch.nn.ModuleList(Block(h) for _ in range(layers))
-        self.norm, self.head = torch.nn.LayerNorm(h), torch.nn.Linear(h, vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.emb(ids)
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.norm(x))
-
-
-def _tp_block_plan(prefix=""):
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel)
-    return {f"{prefix}norm1": SequenceParallel(), f"{prefix}norm2": SequenceParallel(),
-            f"{prefix}qkv": ColwiseParallel(input_layouts=Shard(1)),
-            f"{prefix}proj": RowwiseParallel(output_layouts=Shard(1)),
-            f"{prefix}fc1": ColwiseParallel(input_layouts=Shard(1)),
-            f"{prefix}fc2": RowwiseParallel(output_layouts=Shard(1))}
-
-
-def build(kind):
-    """The model, TP+SP over the world (sequence sharded between blocks)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    torch.manual_seed(0)
-    if kind == "block":
-        return parallelize_module(Block(), mesh, _tp_block_plan()), mesh
-    m = GPT()
-    plan = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
-    for i in range(len(m.blocks)):
-        plan.update(_tp_block_plan(f"blocks.{i}."))
-    return parallelize_module(m, mesh, plan), mesh
+from dhelix.helix.models import build
 
 
 def compiled_vs_eager(kind="block", tiles=2, reorder=True, batch=4, seq=8):
@@ -146,3 +79,40 @@ def refusal():
             cause = cause.__cause__ or cause.__context__
         return str(cause) if cause is not None else f"other error: {e!r}"
     return "not refused"
+
+
+def paced_all_gather():
+    """One compiled functional all-gather on a 100 Mbit/s paced link: wall time vs the
+    link model's."""
+    import time
+
+    import torch._dynamo
+    import torch.distributed._functional_collectives as fc
+    from torch._dynamo.backends.common import aot_autograd
+
+    from dhelix.helix import paced
+    from dhelix.planner.costmodel import collective_seconds
+    torch._dynamo.reset()
+    link = paced.GraphLink(100e6 / 8, 20e-6)
+    paced.use_link(link)
+    n = {}
+
+    def comp(gm, ex):
+        n["rerouted"] = paced.pace(gm)
+        return gm
+
+    def f(x):
+        return fc.all_gather_tensor(x, 0, dist.group.WORLD) * 2
+
+    c = torch.compile(f, backend=aot_autograd(fw_compiler=comp))
+    x = torch.ones(1 << 19)                  # 2 MiB; gathered 4 MiB
+    c(x)                                     # compile
+    dist.barrier()
+    t = time.perf_counter()
+    y = c(x)
+    wall = time.perf_counter() - t
+    paced.use_link(None)
+    assert y.numel() == 2 * x.numel()
+    return {"rerouted": n["rerouted"], "wall": wall,
+            "model": collective_seconds("all_gather", y.numel() * 4, 2, link.rate,
+                                        link.latency)}

@@ -28,6 +28,7 @@ class HelixOptions:
     tiles: int = 2                 # K tile streams (1: no tiling)
     reorder: bool = True           # segmented round-robin of the streams
     batch_dim: int = 0             # the batch dimension of the program's inputs
+    paced: bool = False            # collectives on the paced link (`helix.paced`)
 
 
 @dataclass
@@ -71,6 +72,14 @@ def helix_backend(options: Optional[HelixOptions] = None,
     rep = report if report is not None else HelixReport()
 
     def run_passes(gm: fx.GraphModule, inputs: Dict[str, object], name: str):
+        from dhelix.helix.paced import pace
+        if opts.tiles == 1 and not opts.reorder:      # no passes: the program as captured
+            rep.graphs.append({"graph": name, "tiles": 1, "passes": "none",
+                               "collectives_before": _collectives(gm.graph),
+                               "ops_before": _ops(gm.graph)})
+            if opts.paced:
+                pace(gm)
+            return _Timed(gm, name)
         before = gm.graph
         t = tile(gm, inputs, opts.tiles)
         segs = round_robin(t) if opts.reorder else {}
@@ -81,6 +90,9 @@ def helix_backend(options: Optional[HelixOptions] = None,
             "shared_ops": t.shared_ops, "collectives_before": _collectives(before),
             "collectives_after": _collectives(t.gm.graph), "segments": segs,
             "dependencies_checked": checked, "options": asdict(opts)})
+        if opts.paced:
+            pace(t.gm)
+        t.timed = _Timed(t.gm, name, t.stream)
         return t
 
     def backend(gm: fx.GraphModule, example_inputs):
@@ -103,7 +115,7 @@ def helix_backend(options: Optional[HelixOptions] = None,
             out = next(n for n in fgm.graph.nodes if n.op == "output")
             state["by_name"] = {n.name: layouts.get(n) for n in fgm.graph.nodes}
             state["outputs"] = [layouts.get(a) for a in out.args[0]]
-            return run_passes(fgm, inputs, "forward").gm
+            return _timed(run_passes(fgm, inputs, "forward"))
 
         def bw(bgm: fx.GraphModule, ex):
             by_name, outs = state["by_name"], state["outputs"]
@@ -115,9 +127,49 @@ def helix_backend(options: Optional[HelixOptions] = None,
                     inputs[n.name] = outs[int(n.name.split("_")[1]) - 1]
                 elif n.name in by_name:
                     inputs[n.name] = by_name[n.name]
-            return run_passes(bgm, inputs, "backward").gm
+            return _timed(run_passes(bgm, inputs, "backward"))
 
         return aot_autograd(fw_compiler=fw, bw_compiler=bw)(gm, example_inputs)
 
     backend.report = rep
     return backend
+
+
+def _timed(x):
+    return x if isinstance(x, _Timed) else x.timed
+
+
+class _Timed:
+    """The graph to run; with `record` set, run node by node, recording when each node
+    ran (compute), was issued (collectives) and waited: the measured timeline."""
+    record: Optional[list] = None
+
+    def __init__(self, gm: fx.GraphModule, name: str, stream: Optional[dict] = None):
+        self.gm, self.name, self.stream = gm, name, stream or {}
+
+    def __call__(self, *args):
+        if _Timed.record is None:
+            return self.gm(*args)
+        return _Recorder(self, _Timed.record).run(*args)
+
+
+class _Recorder(fx.Interpreter):
+    def __init__(self, timed: _Timed, events: list):
+        super().__init__(timed.gm)
+        self.timed, self.events = timed, events
+
+    def run_node(self, n):
+        import time
+        t0 = time.perf_counter()
+        out = super().run_node(n)
+        if n.op == "call_function":
+            from dhelix.helix import paced
+            name = getattr(n.target, "__name__", str(n.target))
+            ev = {"graph": self.timed.name, "node": n.name, "op": name,
+                  "stream": self.timed.stream.get(n.name, -1),
+                  "t0": t0, "t1": time.perf_counter()}
+            if n.target is paced._issue:
+                ev["op"] = str(n.args[0].overloadpacket.__name__)
+                ev["link_done"] = paced._DONE.get(id(out))
+            self.events.append(ev)
+        return out

@@ -134,6 +134,15 @@ class Layouts:
             if self.get(args[0]) != SHARED:
                 self._refuse(node, "a batched embedding table")
             return Dim(self.get(args[1]).d)
+        if p in (aten.slice, aten.select, aten.narrow):
+            d = self._dim_of(node, args[0])
+            nd = len(_shape(args[0]))
+            dim = (args[1] if len(args) > 1 else 0) % nd
+            if dim != d:
+                return Dim(d if p is not aten.select or dim > d else d - 1)
+            if p is aten.slice and _shape(node)[d] == _shape(args[0])[d]:
+                return Dim(d)                 # the whole batch dimension: a no-op slice
+            self._refuse(node, "takes part of the batch dimension")
         if p is aten.index_put:
             return self._masked_put(node)
         if p is aten.embedding_dense_backward:

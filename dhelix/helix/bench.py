@@ -1,0 +1,180 @@
+"""`python -m dhelix.helix.bench`: Helix's passes measured on the paced link.
+
+For the reference program (a TP+SP transformer block, or the small GPT) on local gloo
+ranks, each configuration — the program compiled without the passes, and Helix with K
+tile streams — is timed (forward + backward, median step) on the link and on a link
+1000x faster (the compute alone); the difference is the exposed communication. Writes a
+markdown table, JSON, a bar chart and a before/after timeline (PNG + Chrome trace).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import List
+
+
+def _configs(tiles: List[int]):
+    out = [("compiled, no passes", 1, False)]
+    out += [(f"helix K={k}", k, True) for k in tiles]
+    return out
+
+
+def on_rank(args) -> dict:
+    import torch
+    import torch._dynamo
+    import torch.distributed as dist
+
+    from dhelix.helix import HelixOptions, helix_backend, paced
+    from dhelix.helix.backend import _Timed
+    from dhelix.helix.models import build
+    from dhelix.links import parse_link
+
+    link = parse_link(args.link)
+    torch.manual_seed(0)
+    model, _ = build(args.model, hidden=args.hidden, heads=args.heads, layers=args.layers,
+                     vocab=args.vocab)
+    w, r = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(1)
+    if args.model == "block":
+        x = torch.randn(args.batch, args.seq, args.hidden, generator=g).chunk(w, 1)[r]
+        x = x.contiguous().requires_grad_()
+    else:
+        x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+    rows, timelines = [], {}
+    for name, k, reorder in _configs(args.tiles):
+        times = {}
+        for which, rate in (("link", link.rate_Bps), ("fast", link.rate_Bps * 1000)):
+            torch._dynamo.reset()
+            paced.use_link(paced.GraphLink(rate, link.latency_s))
+            backend = helix_backend(HelixOptions(tiles=k, reorder=reorder, paced=True))
+            m = torch.compile(model, backend=backend)
+            steps = []
+            for it in range(args.warmup + args.iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                y = m(x)
+                y = y.to_local() if hasattr(y, "to_local") else y
+                y.float().sum().backward()
+                steps.append(time.perf_counter() - t0)
+            times[which] = statistics.median(steps[args.warmup:])
+            if which == "link" and name in (_configs(args.tiles)[0][0],
+                                            f"helix K={args.tiles[0]}"):
+                _Timed.record = []
+                dist.barrier()
+                y = m(x)
+                y = y.to_local() if hasattr(y, "to_local") else y
+                y.float().sum().backward()
+                timelines[name] = _Timed.record
+                _Timed.record = None
+            if r == 0:
+                print(f"helix bench: {name:20s} {which:4s} {times[which] * 1e3:8.1f} ms",
+                      flush=True)
+        rows.append({"method": name, "tiles": k, "step_link_s": times["link"],
+                     "step_fast_s": times["fast"],
+                     "exposed_comm_s": max(times["link"] - times["fast"], 0.0),
+                     "report": backend.report.graphs})
+    base = rows[0]
+    for row in rows:
+        row["speedup"] = base["step_link_s"] / row["step_link_s"]
+        row["exposed_cut"] = 1 - row["exposed_comm_s"] / max(base["exposed_comm_s"], 1e-12)
+    return {"rows": rows, "timelines": timelines}
+
+
+def markdown(rows) -> str:
+    lines = ["| method | step on link ms | compute alone ms | exposed comm ms | exposed comm "
+             "cut | speedup |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['step_link_s'] * 1e3:.1f} | "
+                     f"{r['step_fast_s'] * 1e3:.1f} | {r['exposed_comm_s'] * 1e3:.1f} | "
+                     f"{r['exposed_cut'] * 100:.0f}% | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def draw(result, out: str) -> List[str]:
+    """Bar chart of step and exposed comm; the before/after timeline (PNG + trace)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = [r["method"] for r in rows]
+    ax.bar(names, [r["step_fast_s"] * 1e3 for r in rows], label="compute alone")
+    ax.bar(names, [r["exposed_comm_s"] * 1e3 for r in rows],
+           bottom=[r["step_fast_s"] * 1e3 for r in rows], label="exposed communication")
+    ax.set_ylabel("step (ms)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out + ".png", dpi=120)
+    plt.close(fig)
+    tl = result["timelines"]
+    fig, axes = plt.subplots(len(tl), 1, figsize=(11, 1.8 * len(tl) + 0.6), squeeze=False)
+    trace = []
+    for ax, (name, ev) in zip(axes[:, 0], tl.items()):
+        t0 = min(e["t0"] for e in ev)
+        colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:gray"]
+        for e in ev:
+            comm = "link_done" in e
+            row = 1 if comm else 0
+            end = e.get("link_done") or e["t1"]
+            c = colors[e["stream"]] if 0 <= e["stream"] < 4 else colors[-1]
+            if e["op"] == "_wait":
+                c, row = "tab:red", 0
+            ax.barh(row, (end - e["t0"]) * 1e3, left=(e["t0"] - t0) * 1e3, color=c,
+                    height=0.8)
+            trace.append({"name": e["op"], "ph": "X", "ts": (e["t0"] - t0) * 1e6,
+                          "dur": (end - e["t0"]) * 1e6, "pid": name,
+                          "tid": "link" if comm else "compute",
+                          "args": {"node": e["node"], "stream": e["stream"],
+                                   "graph": e["graph"]}})
+        ax.set_yticks([0, 1], ["thread", "link"])
+        ax.set_title(f"{name} (colour: tile stream; red: waiting for a collective)",
+                     fontsize=9)
+    axes[-1, 0].set_xlabel("ms (one forward + backward, rank 0)")
+    fig.tight_layout()
+    fig.savefig(out + ".timeline.png", dpi=120)
+    plt.close(fig)
+    with open(out + ".trace.json", "w") as f:
+        json.dump({"traceEvents": trace}, f)
+    return [out + ".png", out + ".timeline.png", out + ".trace.json"]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dhelix.helix.bench", description=__doc__)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--link", default="paced:1gbit", help="paced:RATE[,LATENCY]")
+    p.add_argument("--model", choices=["block", "gpt"], default="block")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--layers", type=int, default=2, help="gpt only")
+    p.add_argument("--vocab", type=int, default=512, help="gpt only")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--tiles", default="2,4", help="K values to compare (default: 2,4)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="helix-bench")
+    a = p.parse_args(argv)
+    a.tiles = [int(k) for k in a.tiles.split(",") if k]
+    from dhelix.links import parse_link
+    if parse_link(a.link).kind != "paced":
+        p.error(f"--link {a.link}: give a paced link (paced:RATE[,LATENCY])")
+    from dhelix.testing import run_ranks
+    res = run_ranks(on_rank, a.nproc, a, timeout=3600)[0]
+    md = markdown(res["rows"])
+    print(md)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out + ".md", "w") as f:
+        f.write(md + "\n")
+    with open(a.out + ".json", "w") as f:
+        json.dump({"args": vars(a), "rows": res["rows"]}, f, indent=1)
+    files = draw(res, a.out)
+    print(f"helix bench: wrote {a.out}.md, {a.out}.json, {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
