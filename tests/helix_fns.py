@@ -116,3 +116,29 @@ def paced_all_gather():
     return {"rerouted": n["rerouted"], "wall": wall,
             "model": collective_seconds("all_gather", y.numel() * 4, 2, link.rate,
                                         link.latency)}
+
+
+def simulated_vs_measured_memory(tiles=2):
+    """Peak bytes of each graph's intermediate values: DHelix's simulator (tensor
+    lifetimes of the scheduled graph) against a node-by-node measurement."""
+    import torch._dynamo
+
+    from dhelix.helix import HelixOptions, helix_backend
+    from dhelix.helix.backend import _Timed
+    from dhelix.helix.simulate import simulate_graph
+    torch._dynamo.reset()
+    model, _ = build("block", hidden=64, heads=4)
+    backend = helix_backend(HelixOptions(tiles=tiles))
+    m = torch.compile(model, backend=backend)
+    x = torch.randn(8, 16 // dist.get_world_size(), 64, requires_grad=True)
+    m(x).sum().backward()                         # compile
+    _Timed.memory = {}
+    m(x).sum().backward()
+    measured, _Timed.memory = _Timed.memory, None
+    out = {}
+    for g, timed in backend.report.modules.items():
+        # unit durations: one thread runs the ops in order (memory needs only the order)
+        unit = {n.name: 1e-3 for n in timed.gm.graph.nodes}
+        sim = simulate_graph(timed.gm, unit, 1e9, 0.0, dist.get_world_size())
+        out[g] = (sim.peak_bytes, measured[g])
+    return out

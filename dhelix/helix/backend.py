@@ -35,6 +35,7 @@ class HelixOptions:
 class HelixReport:
     """What the passes did, one entry per graph (forward, backward)."""
     graphs: List[Dict] = field(default_factory=list)
+    modules: Dict[str, object] = field(default_factory=dict)   # graph name -> what runs
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -79,7 +80,7 @@ def helix_backend(options: Optional[HelixOptions] = None,
                                "ops_before": _ops(gm.graph)})
             if opts.paced:
                 pace(gm)
-            return _Timed(gm, name)
+            return _Timed(gm, name, report=rep)
         before = gm.graph
         t = tile(gm, inputs, opts.tiles)
         segs = round_robin(t) if opts.reorder else {}
@@ -92,7 +93,7 @@ def helix_backend(options: Optional[HelixOptions] = None,
             "dependencies_checked": checked, "options": asdict(opts)})
         if opts.paced:
             pace(t.gm)
-        t.timed = _Timed(t.gm, name, t.stream)
+        t.timed = _Timed(t.gm, name, t.stream, report=rep)
         return t
 
     def backend(gm: fx.GraphModule, example_inputs):
@@ -141,13 +142,24 @@ def _timed(x):
 
 class _Timed:
     """The graph to run; with `record` set, run node by node, recording when each node
-    ran (compute), was issued (collectives) and waited: the measured timeline."""
+    ran (compute), was issued (collectives) and waited: the measured timeline; with
+    `memory` set, the measured peak of its intermediate values (`helix.simulate`)."""
     record: Optional[list] = None
+    memory: Optional[dict] = None
 
-    def __init__(self, gm: fx.GraphModule, name: str, stream: Optional[dict] = None):
+    def __init__(self, gm: fx.GraphModule, name: str, stream: Optional[dict] = None,
+                 report: Optional[HelixReport] = None):
         self.gm, self.name, self.stream = gm, name, stream or {}
+        if report is not None:
+            report.modules[name] = self
 
     def __call__(self, *args):
+        if _Timed.memory is not None:
+            from dhelix.helix.simulate import MemoryRecorder
+            r = MemoryRecorder(self.gm)
+            out = r.run(*args)
+            _Timed.memory[self.name] = r.peak
+            return out
         if _Timed.record is None:
             return self.gm(*args)
         return _Recorder(self, _Timed.record).run(*args)

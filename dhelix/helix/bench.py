@@ -45,9 +45,17 @@ def on_rank(args) -> dict:
     else:
         x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     rows, timelines = [], {}
+    pictured = (_configs(args.tiles)[0][0], f"helix K={args.tiles[0]}")
+
+    def step():
+        dist.barrier()
+        y = m(x)
+        y = y.to_local() if hasattr(y, "to_local") else y
+        y.float().sum().backward()
+
     for name, k, reorder in _configs(args.tiles):
-        times = {}
-        for which, rate in (("link", link.rate_Bps), ("fast", link.rate_Bps * 1000)):
+        times, recorded, memory = {}, {}, {}
+        for which, rate in (("fast", link.rate_Bps * 1000), ("link", link.rate_Bps)):
             torch._dynamo.reset()
             paced.use_link(paced.GraphLink(rate, link.latency_s))
             backend = helix_backend(HelixOptions(tiles=k, reorder=reorder, paced=True))
@@ -61,27 +69,50 @@ def on_rank(args) -> dict:
                 y.float().sum().backward()
                 steps.append(time.perf_counter() - t0)
             times[which] = statistics.median(steps[args.warmup:])
-            if which == "link" and name in (_configs(args.tiles)[0][0],
-                                            f"helix K={args.tiles[0]}"):
+            if name in pictured:
                 _Timed.record = []
-                dist.barrier()
-                y = m(x)
-                y = y.to_local() if hasattr(y, "to_local") else y
-                y.float().sum().backward()
-                timelines[name] = _Timed.record
+                step()
+                recorded[which] = _Timed.record
                 _Timed.record = None
+                if which == "link":
+                    timelines[name] = recorded["link"]
+                    _Timed.memory = {}
+                    step()
+                    memory, _Timed.memory = _Timed.memory, None
             if r == 0:
                 print(f"helix bench: {name:20s} {which:4s} {times[which] * 1e3:8.1f} ms",
                       flush=True)
-        rows.append({"method": name, "tiles": k, "step_link_s": times["link"],
-                     "step_fast_s": times["fast"],
-                     "exposed_comm_s": max(times["link"] - times["fast"], 0.0),
-                     "report": backend.report.graphs})
+        row = {"method": name, "tiles": k, "step_link_s": times["link"],
+               "step_fast_s": times["fast"],
+               "exposed_comm_s": max(times["link"] - times["fast"], 0.0),
+               "report": backend.report.graphs}
+        if name in pictured:
+            row["graphs"] = _predicted_vs_measured(backend.report, recorded, memory, link,
+                                                   w)
+        rows.append(row)
     base = rows[0]
     for row in rows:
         row["speedup"] = base["step_link_s"] / row["step_link_s"]
         row["exposed_cut"] = 1 - row["exposed_comm_s"] / max(base["exposed_comm_s"], 1e-12)
     return {"rows": rows, "timelines": timelines}
+
+
+def _predicted_vs_measured(report, recorded, memory, link, world) -> dict:
+    """Per graph: the simulator's makespan (compute durations measured node by node on
+    the fast link, collectives from the link model) and peak memory, beside the makespan
+    measured on the link and the peak measured node by node."""
+    from dhelix.helix.simulate import simulate_graph
+    out = {}
+    for g, timed in report.modules.items():
+        fast = [e for e in recorded["fast"] if e["graph"] == g]
+        slow = [e for e in recorded["link"] if e["graph"] == g]
+        seconds = {e["node"]: e["t1"] - e["t0"] for e in fast}
+        pred = simulate_graph(timed.gm, seconds, link.rate_Bps, link.latency_s, world)
+        measured = max(e.get("link_done") or e["t1"] for e in slow) - min(e["t0"] for e in slow)
+        out[g] = {"simulated_s": pred.makespan_s, "measured_s": measured,
+                  "simulated_peak_bytes": pred.peak_bytes,
+                  "measured_peak_bytes": memory.get(g)}
+    return out
 
 
 def markdown(rows) -> str:
@@ -91,6 +122,15 @@ def markdown(rows) -> str:
         lines.append(f"| {r['method']} | {r['step_link_s'] * 1e3:.1f} | "
                      f"{r['step_fast_s'] * 1e3:.1f} | {r['exposed_comm_s'] * 1e3:.1f} | "
                      f"{r['exposed_cut'] * 100:.0f}% | {r['speedup']:.2f}x |")
+    sim = [(r["method"], g, v) for r in rows for g, v in r.get("graphs", {}).items()]
+    if sim:
+        lines += ["", "| method | graph | simulated ms | measured ms | simulated peak MiB | "
+                      "measured peak MiB |", "|---|---|---:|---:|---:|---:|"]
+        for m, g, v in sim:
+            lines.append(f"| {m} | {g} | {v['simulated_s'] * 1e3:.1f} | "
+                         f"{v['measured_s'] * 1e3:.1f} | "
+                         f"{v['simulated_peak_bytes'] / 2**20:.2f} | "
+                         f"{(v['measured_peak_bytes'] or 0) / 2**20:.2f} |")
     return "\n".join(lines)
 
 

@@ -387,6 +387,8 @@ def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
                 if not isinstance(a, fx.Node):
                     return a
                 layout = lay.raw(a)
+                if isinstance(layout, Dim) and k == 1:
+                    return tiles[0][a]
                 if isinstance(layout, Dim):
                     c = g.call_function(aten.cat.default,
                                         ([tiles[t][a] for t in range(k)], layout.d))
@@ -411,7 +413,21 @@ def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
                     tiles[t][node] = mark(new, t, node)
                 n_split += 1
     g.lint()
-    return Tiled(fx.GraphModule(gm, g), stream, origin, n_split, n_shared)
+    out = fx.GraphModule(gm, g)
+    _propagate_shapes(out)
+    return Tiled(out, stream, origin, n_split, n_shared)
+
+
+def _propagate_shapes(gm: fx.GraphModule) -> None:
+    """Fake values (shape, dtype) for every node of the tiled graph, as AOT autograd
+    recorded them for the original one: what the simulator sizes tensors by."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = next((v.fake_mode for v in vals if isinstance(v, FakeTensor)), None)
+    if mode is None:
+        return
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
 
 
 def _map(node: fx.Node, fn):

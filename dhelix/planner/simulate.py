@@ -73,7 +73,14 @@ class LaneModel:
     step given index lists into the forward and backward chains."""
 
     def __init__(self, layer: LayerOps, table: CostTable, base_bytes: Optional[float] = None,
-                 force: bool = False, source: str = "<table>"):
+                 force: bool = False, source: str = "<table>",
+                 readers: Optional[List[int]] = None,
+                 lifetimes: Optional[List[Tuple[float, int]]] = None):
+        """`readers` and `lifetimes` describe a program that is not a layer's chains (a
+        scheduled graph, `helix/`): which op reads each comm op's result, and for each op
+        the bytes of its output and the op after whose end they are freed (-1: never).
+        A layer's chains derive the first from their order and count memory by each op's
+        saved and temporary bytes instead."""
         table.check(layer, source=source, pairs="concurrent", force=force)
         self.layer = layer
         for o in list(layer.forward) + list(layer.backward):
@@ -94,8 +101,9 @@ class LaneModel:
         self.b_temp = [float(o.temp_bytes) for o in layer.backward]
         self.S = [[compute_slowdown(f, b, table) for b in layer.backward]
                    for f in layer.forward]
-        self.f_reader = comm_readers(layer.forward)
+        self.f_reader = list(readers) if readers is not None else comm_readers(layer.forward)
         self.b_reader = comm_readers(layer.backward)
+        self.f_life = lifetimes
         if base_bytes is None:
             base_bytes = 0.0
             for v in self.b_saved:
@@ -129,6 +137,7 @@ class LaneModel:
         comms = []          # (strand, k, start, end) in issue order
         mevs = []           # (time, 0 free / 1 alloc, seq, bytes)
         span = 0.0
+        ends = {}           # program ops: when each ended (for the lifetimes)
         while True:
             if pos[0] >= len(qs[0][1]) and (len(qs) < 2 or pos[1] >= len(qs[1][1])):
                 break
@@ -142,7 +151,9 @@ class LaneModel:
             for (cx, ck, cs, ce) in comms:
                 if cx == x and reader[x][ck] == k and ce > ready:
                     ready = ce
-            if x == 0:
+            if x == 0 and self.f_life is not None:
+                alloc, free = self.f_life[k][0], 0.0   # freed after its last reader
+            elif x == 0:
                 alloc, free = self.f_temp[k] + self.f_saved[k], self.f_temp[k]
             else:
                 alloc, free = self.b_temp[k], self.b_temp[k] + self.b_saved[k]
@@ -173,12 +184,18 @@ class LaneModel:
             mevs.append((end, 0, len(mevs), free))
             if end > span:
                 span = end
+            if self.f_life is not None and x == 0:
+                ends[k] = end
             if events is not None:
                 events.append((ALPHA if x == 0 else BETA,
                                (self.f_names if x == 0 else self.b_names)[k],
                                LANES[lanes[x][k]], t0 + st, t0 + end))
         if t > span:
             span = t
+        if self.f_life is not None:          # each output freed after its last reader
+            for k, (nbytes, last) in enumerate(self.f_life):
+                if k in ends and last >= 0:
+                    mevs.append((max(ends.get(last, span), ends[k]), 0, len(mevs), nbytes))
         mem = mem0
         peak = mem0
         for (tm, kind, seq, nbytes) in sorted(mevs):
