@@ -43,10 +43,13 @@ class HelixReport:
 
     def summary(self) -> str:
         return "\n".join(
+            f"helix {g['graph']}: no passes" if g.get("passes") == "none" else
             f"helix {g['graph']}: {g['ops_before']} ops -> {g['ops_after']} | "
             f"{g['tiles']} streams, {g['split_ops']} ops split, {g['shared_ops']} run once | "
             f"collectives {g['collectives_before']} -> {g['collectives_after']} | segments "
-            f"{g['segments']} | {g['dependencies_checked']} dependencies kept"
+            f"{g['segments']} | {g['dependencies_checked']} dependencies kept | simulated "
+            f"peak {g['simulated_peak_bytes_before'] / 2**20:.2f} -> "
+            f"{g['simulated_peak_bytes_after'] / 2**20:.2f} MiB"
             for g in self.graphs)
 
 
@@ -82,6 +85,7 @@ def helix_backend(options: Optional[HelixOptions] = None,
                 pace(gm)
             return _Timed(gm, name, report=rep)
         before = gm.graph
+        peak_before = _simulated_peak(gm)
         t = tile(gm, inputs, opts.tiles)
         segs = round_robin(t) if opts.reorder else {}
         checked = check_dependencies(before, t)
@@ -90,7 +94,9 @@ def helix_backend(options: Optional[HelixOptions] = None,
             "ops_after": _ops(t.gm.graph), "split_ops": t.split_ops,
             "shared_ops": t.shared_ops, "collectives_before": _collectives(before),
             "collectives_after": _collectives(t.gm.graph), "segments": segs,
-            "dependencies_checked": checked, "options": asdict(opts)})
+            "dependencies_checked": checked, "options": asdict(opts),
+            "simulated_peak_bytes_before": peak_before,
+            "simulated_peak_bytes_after": _simulated_peak(t.gm)})
         if opts.paced:
             pace(t.gm)
         t.timed = _Timed(t.gm, name, t.stream, report=rep)
@@ -134,6 +140,13 @@ def helix_backend(options: Optional[HelixOptions] = None,
 
     backend.report = rep
     return backend
+
+
+def _simulated_peak(gm: fx.GraphModule) -> float:
+    """Peak bytes of the graph's own values in the order it runs (`helix.simulate`)."""
+    from dhelix.helix.simulate import simulate_graph
+    unit = {n.name: 1e-3 for n in gm.graph.nodes}
+    return simulate_graph(gm, unit, 1e9, 0.0, 2).peak_bytes
 
 
 def _timed(x):
