@@ -10,9 +10,13 @@ forward and backward graphs to `helix_backend`, where every compute op, collecti
                segments of the streams are issued in turn, so one stream's collective
                runs under another stream's compute
   check.py     every data dependency of the program kept (checked on the graphs)
+  simulate.py  the scheduled graph played by DHelix's simulator: makespan, and peak
+               memory from tensor lifetimes
   backend.py   the torch.compile backend, and the report of what each pass did
-Not built yet: bucketing (merging collectives across streams by a DP under a memory
-budget) and the simulator's graph-node extension.
+  paced.py     the graph's collectives on the paced link (for measuring here)
+  models.py    reference programs (a TP+SP block, a small GPT); bench.py measures them
+Not built yet: bucketing (merging the streams' collectives where the simulator says it
+pays, chosen by a DP under a memory budget).
 """
 from dhelix.helix.backend import HelixOptions, HelixReport, helix_backend
 
