@@ -6,7 +6,8 @@ import torch.distributed as dist
 from dhelix.helix.models import build
 
 
-def compiled_vs_eager(kind="block", tiles=2, reorder=True, batch=4, seq=8):
+def compiled_vs_eager(kind="block", tiles=2, reorder=True, batch=4, seq=8, bucketing=False,
+                      link="paced:1gbit", budget=None):
     """Max relative difference of the output and of every gradient (input and
     parameters) between eager execution and the Helix-compiled program; plus the
     report."""
@@ -48,7 +49,8 @@ def compiled_vs_eager(kind="block", tiles=2, reorder=True, batch=4, seq=8):
         return y.detach(), grads
 
     y0, g0 = run(model)
-    backend = helix_backend(HelixOptions(tiles=tiles, reorder=reorder))
+    backend = helix_backend(HelixOptions(tiles=tiles, reorder=reorder, bucketing=bucketing,
+                                         link=link, memory_budget_bytes=budget))
     y1, g1 = run(torch.compile(model, backend=backend))
     def rel(a, b):       # max |difference| relative to the largest value
         return ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item()

@@ -85,3 +85,49 @@ def test_simulated_peak_memory_matches_the_measured_one(tiles):
         for g, (sim, real) in res.items():
             assert real > 0
             assert abs(sim - real) <= 0.10 * real, (g, sim, real)
+
+
+@pytest.mark.parametrize("tiles,link", [(2, "paced:1gbit,5ms"), (4, "paced:1gbit,5ms"),
+                                        (2, "paced:1gbit,1us")])
+def test_bucketing_equals_eager_and_merges_where_it_pays(tiles, link):
+    """Bucketing: the streams' copies of a collective merged back where the simulator
+    says it pays. With 5 ms per message a merge saves K−1 latencies and is chosen; with
+    1 us it costs the overlap and is not; either way the program equals eager."""
+    from helix_fns import compiled_vs_eager
+    res = run_ranks(compiled_vs_eager, 2, "block", tiles, True, 4, 8, True, link,
+                    timeout=300)[0]
+    assert max(res["errors"].values()) <= 1e-6, res["errors"]
+    for g in res["report"]:
+        b = g["buckets"]
+        assert b["candidates"] and set(b["chosen"]) | set(b["rejected"]) == \
+            set(b["candidates"])
+        best = min(x["makespan_s"] for x in b["tried"])
+        chosen = next(x for x in b["tried"] if sorted(x["merged"]) == sorted(b["chosen"]))
+        assert chosen["makespan_s"] == best
+        if link.endswith("5ms"):
+            assert b["chosen"], g
+            assert g["collectives_after"] < g["collectives_before"] * tiles
+        else:
+            assert not b["chosen"], g
+
+
+def test_bucketing_respects_the_memory_budget():
+    """A budget at the smallest simulated peak: the choice fits it (in simulation); a
+    budget below every choice is refused, naming the smallest peak."""
+    from helix_fns import compiled_vs_eager
+    free = run_ranks(compiled_vs_eager, 2, "block", 2, True, 4, 8, True, "paced:1gbit,5ms",
+                     timeout=300)[0]
+    # one budget for both graphs: the larger of their smallest peaks
+    budget = max(min(x["peak_bytes"] for x in g["buckets"]["tried"]) for g in free["report"])
+    res = run_ranks(compiled_vs_eager, 2, "block", 2, True, 4, 8, True, "paced:1gbit,5ms",
+                    budget, timeout=300)[0]
+    for g in res["report"]:
+        chosen = next(x for x in g["buckets"]["tried"]
+                      if sorted(x["merged"]) == sorted(g["buckets"]["chosen"]))
+        assert chosen["peak_bytes"] <= budget and chosen["fits"]
+    assert max(res["errors"].values()) <= 1e-6
+    from dhelix.testing import RankError
+    with pytest.raises(RankError, match=f"no choice fits the memory budget "
+                                        f"{budget / 2:.0f} bytes"):
+        run_ranks(compiled_vs_eager, 2, "block", 2, True, 4, 8, True, "paced:1gbit,5ms",
+                  budget / 2, timeout=300)

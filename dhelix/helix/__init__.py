@@ -15,8 +15,8 @@ forward and backward graphs to `helix_backend`, where every compute op, collecti
   backend.py   the torch.compile backend, and the report of what each pass did
   paced.py     the graph's collectives on the paced link (for measuring here)
   models.py    reference programs (a TP+SP block, a small GPT); bench.py measures them
-Not built yet: bucketing (merging the streams' collectives where the simulator says it
-pays, chosen by a DP under a memory budget).
+  bucketing.py the streams' copies of a collective merged back where the simulator says
+               it pays, under a memory budget (a search over subsets, not yet a DP)
 """
 from dhelix.helix.backend import HelixOptions, HelixReport, helix_backend
 

@@ -29,6 +29,13 @@ class HelixOptions:
     reorder: bool = True           # segmented round-robin of the streams
     batch_dim: int = 0             # the batch dimension of the program's inputs
     paced: bool = False            # collectives on the paced link (`helix.paced`)
+    bucketing: bool = False        # merge the streams' copies of a collective where it pays
+    memory_budget_bytes: Optional[float] = None   # bucketing: the simulated peak's limit
+    # the machine the bucketing choice is simulated for (compute from the graph's FLOPs
+    # and bytes, collectives from the link model)
+    link: str = "paced:1gbit"
+    flops_per_s: float = 5e10
+    bytes_per_s: float = 5e9
 
 
 @dataclass
@@ -86,8 +93,12 @@ def helix_backend(options: Optional[HelixOptions] = None,
             return _Timed(gm, name, report=rep)
         before = gm.graph
         peak_before = _simulated_peak(gm)
-        t = tile(gm, inputs, opts.tiles)
-        segs = round_robin(t) if opts.reorder else {}
+        buckets = None
+        if opts.bucketing and opts.tiles > 1:
+            t, segs, buckets = _bucketed(gm, inputs, opts)
+        else:
+            t = tile(gm, inputs, opts.tiles)
+            segs = round_robin(t) if opts.reorder else {}
         checked = check_dependencies(before, t)
         rep.graphs.append({
             "graph": name, "tiles": opts.tiles, "ops_before": _ops(before),
@@ -96,7 +107,8 @@ def helix_backend(options: Optional[HelixOptions] = None,
             "collectives_after": _collectives(t.gm.graph), "segments": segs,
             "dependencies_checked": checked, "options": asdict(opts),
             "simulated_peak_bytes_before": peak_before,
-            "simulated_peak_bytes_after": _simulated_peak(t.gm)})
+            "simulated_peak_bytes_after": _simulated_peak(t.gm),
+            "buckets": asdict(buckets) if buckets is not None else None})
         if opts.paced:
             pace(t.gm)
         t.timed = _Timed(t.gm, name, t.stream, report=rep)
@@ -140,6 +152,41 @@ def helix_backend(options: Optional[HelixOptions] = None,
 
     backend.report = rep
     return backend
+
+
+def _bucketed(gm: fx.GraphModule, inputs, opts: HelixOptions):
+    """Tile, then choose the buckets by simulating every candidate set
+    (`helix.bucketing`); returns the chosen scheduled graph, its segments, the report."""
+    from dhelix.helix.bucketing import candidates, choose, merge
+    from dhelix.helix.simulate import analytical_seconds, simulate_graph
+    from dhelix.helix.tiling import propagate_shapes
+    from dhelix.links import parse_link
+    link = parse_link(opts.link, "HelixOptions.link")
+    if link.kind != "paced":
+        raise ValueError(f"HelixOptions.link {opts.link!r}: bucketing needs a link model "
+                         f"(paced:RATE[,LATENCY])")
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_initialized() else 2
+    segs_of = {}
+
+    def build(merged):
+        t = tile(gm, inputs, opts.tiles)
+        for origin in merged:
+            merge(t, origin)
+        if merged:
+            t.gm.graph.lint()
+            t.gm.recompile()
+            propagate_shapes(t.gm)
+        segs_of[id(t)] = round_robin(t) if opts.reorder else {}
+        return t
+
+    def score(t):
+        sec = analytical_seconds(t.gm, opts.flops_per_s, opts.bytes_per_s)
+        p = simulate_graph(t.gm, sec, link.rate_Bps, link.latency_s, world)
+        return p.makespan_s, p.peak_bytes
+    cands = candidates(tile(gm, inputs, opts.tiles), opts.tiles)
+    t, rep = choose(build, score, cands, opts.memory_budget_bytes)
+    return t, segs_of[id(t)], rep
 
 
 def _simulated_peak(gm: fx.GraphModule) -> float:

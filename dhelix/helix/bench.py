@@ -58,7 +58,9 @@ def on_rank(args) -> dict:
         for which, rate in (("fast", link.rate_Bps * 1000), ("link", link.rate_Bps)):
             torch._dynamo.reset()
             paced.use_link(paced.GraphLink(rate, link.latency_s))
-            backend = helix_backend(HelixOptions(tiles=k, reorder=reorder, paced=True))
+            backend = helix_backend(HelixOptions(
+                tiles=k, reorder=reorder, paced=True, link=args.link,
+                bucketing=args.bucketing and k > 1))
             m = torch.compile(model, backend=backend)
             steps = []
             for it in range(args.warmup + args.iters):
@@ -82,7 +84,9 @@ def on_rank(args) -> dict:
             if r == 0:
                 print(f"helix bench: {name:20s} {which:4s} {times[which] * 1e3:8.1f} ms",
                       flush=True)
+        buckets = [b for g in backend.report.graphs if (b := g.get("buckets"))]
         row = {"method": name, "tiles": k, "step_link_s": times["link"],
+               "buckets_chosen": sum(len(b["chosen"]) for b in buckets),
                "step_fast_s": times["fast"],
                "exposed_comm_s": max(times["link"] - times["fast"], 0.0),
                "report": backend.report.graphs}
@@ -194,6 +198,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--tiles", default="2,4", help="K values to compare (default: 2,4)")
+    p.add_argument("--bucketing", action="store_true",
+                   help="let Helix merge the streams' collectives where its simulation of "
+                        "--link says it pays")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="helix-bench")

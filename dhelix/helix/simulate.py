@@ -168,3 +168,24 @@ def _tensors(v):
     if isinstance(v, (list, tuple)):
         return [t for x in v for t in _tensors(x)]
     return []
+
+
+def analytical_seconds(gm: fx.GraphModule, flops_per_s: float,
+                       bytes_per_s: float) -> Dict[str, float]:
+    """Compute durations from the graph alone (for choices made while compiling): GEMMs
+    by their FLOPs, every other op by the bytes it writes; views cost nothing."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        t = _target(n)
+        val = n.meta.get("val")
+        if t in (aten.mm, aten.addmm, aten.bmm) and isinstance(val, torch.Tensor):
+            a = n.args[1] if t is aten.addmm else n.args[0]
+            k = a.meta["val"].shape[-1]
+            out[n.name] = 2.0 * val.numel() * k / flops_per_s
+        elif t in ALIASES or t in COLLECTIVES:
+            out[n.name] = 0.0
+        else:
+            out[n.name] = _nbytes(val) / bytes_per_s
+    return out

@@ -15,7 +15,7 @@ the op's name (`TilingError`), never guessed.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -316,6 +316,7 @@ class Tiled:
     origin: Dict[str, str]          # new node name -> the original node it copies
     split_ops: int                  # original ops copied per tile
     shared_ops: int                 # original ops run once
+    buckets: Dict[str, str] = field(default_factory=dict)   # original -> its bucket node
 
 
 def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
@@ -414,11 +415,11 @@ def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
                 n_split += 1
     g.lint()
     out = fx.GraphModule(gm, g)
-    _propagate_shapes(out)
+    propagate_shapes(out)
     return Tiled(out, stream, origin, n_split, n_shared)
 
 
-def _propagate_shapes(gm: fx.GraphModule) -> None:
+def propagate_shapes(gm: fx.GraphModule) -> None:
     """Fake values (shape, dtype) for every node of the tiled graph, as AOT autograd
     recorded them for the original one: what the simulator sizes tensors by."""
     from torch._subclasses.fake_tensor import FakeTensor
