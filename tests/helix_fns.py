@@ -144,3 +144,33 @@ def simulated_vs_measured_memory(tiles=2):
         sim = simulate_graph(timed.gm, unit, 1e9, 0.0, dist.get_world_size())
         out[g] = (sim.peak_bytes, measured[g])
     return out
+
+
+def paced_by_name():
+    """Code calling the functional collectives by name at run time (as Inductor's
+    generated programs do) is paced inside `patched_ops`, and only there."""
+    import time
+
+    import torch.distributed._functional_collectives as fc  # noqa: F401 (registers ops)
+
+    from dhelix.helix import paced
+    from dhelix.planner.costmodel import collective_seconds
+    link = paced.GraphLink(100e6 / 8, 20e-6)
+    paced.use_link(link)
+    x = torch.ones(1 << 19)
+    group = dist.group.WORLD.group_name
+
+    def run():
+        dist.barrier()
+        t = time.perf_counter()
+        y = torch.ops._c10d_functional.all_gather_into_tensor.default(x, 2, group)
+        y = torch.ops._c10d_functional.wait_tensor.default(y)
+        return time.perf_counter() - t, y
+    with paced.patched_ops():
+        inside, y = run()
+    outside, _ = run()
+    paced.use_link(None)
+    return {"inside": inside, "outside": outside,
+            "model": collective_seconds("all_gather", y.numel() * 4, 2, link.rate,
+                                        link.latency),
+            "restored": type(torch.ops._c10d_functional.wait_tensor).__name__}

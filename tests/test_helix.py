@@ -131,3 +131,14 @@ def test_bucketing_respects_the_memory_budget():
                                         f"{budget / 2:.0f} bytes"):
         run_ranks(compiled_vs_eager, 2, "block", 2, True, 4, 8, True, "paced:1gbit,5ms",
                   budget / 2, timeout=300)
+
+
+def test_collectives_called_by_name_are_paced_inside_patched_ops():
+    """How the bench paces Inductor's generated code: inside `patched_ops` a collective
+    called by name ends at the modelled time; outside, at loopback speed, and the real
+    ops are back."""
+    from helix_fns import paced_by_name
+    for r in run_ranks(paced_by_name, 2, timeout=200):
+        assert r["model"] * 0.99 <= r["inside"] <= r["model"] * 1.5 + 0.05, r
+        assert r["outside"] < 0.5 * r["model"], r
+        assert r["restored"] == "OpOverloadPacket"

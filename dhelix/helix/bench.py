@@ -94,11 +94,62 @@ def on_rank(args) -> dict:
             row["graphs"] = _predicted_vs_measured(backend.report, recorded, memory, link,
                                                    w)
         rows.append(row)
+    if args.inductor:
+        rows += _inductor_rows(args, model, x, link, step_of=lambda mm: _step(mm, x))
     base = rows[0]
     for row in rows:
         row["speedup"] = base["step_link_s"] / row["step_link_s"]
         row["exposed_cut"] = 1 - row["exposed_comm_s"] / max(base["exposed_comm_s"], 1e-12)
     return {"rows": rows, "timelines": timelines}
+
+
+def _step(m, x):
+    import torch.distributed as dist
+    dist.barrier()
+    y = m(x)
+    y = y.to_local() if hasattr(y, "to_local") else y
+    y.float().sum().backward()
+
+
+def _inductor_rows(args, model, x, link, step_of) -> list:
+    """The program compiled by Inductor, without and with PyTorch's own compute/comm
+    reordering (`reorder_for_compute_comm_overlap`), on the same link: its generated code
+    calls the collectives by name, so they are paced by standing in for the ops
+    (`paced.patched_ops`) once compiled."""
+    import torch
+    import torch._dynamo
+    import torch._inductor.config as icfg
+    import torch.distributed as dist
+
+    from dhelix.helix import paced
+    rows = []
+    for name, reorder in (("inductor", False),
+                          ("inductor + reorder_for_compute_comm_overlap", True)):
+        torch._dynamo.reset()
+        icfg.reorder_for_compute_comm_overlap = reorder
+        m = torch.compile(model)
+        paced.use_link(None)
+        for _ in range(2):                 # compile forward and backward, unpaced
+            step_of(m)
+        times = {}
+        for which, rate in (("fast", link.rate_Bps * 1000), ("link", link.rate_Bps)):
+            paced.use_link(paced.GraphLink(rate, link.latency_s))
+            steps = []
+            with paced.patched_ops():
+                for _ in range(args.warmup + args.iters):
+                    t0 = time.perf_counter()
+                    step_of(m)
+                    steps.append(time.perf_counter() - t0)
+            times[which] = statistics.median(steps[args.warmup:])
+            if dist.get_rank() == 0:
+                print(f"helix bench: {name:20s} {which:4s} {times[which] * 1e3:8.1f} ms",
+                      flush=True)
+        icfg.reorder_for_compute_comm_overlap = False
+        rows.append({"method": name, "tiles": 1, "step_link_s": times["link"],
+                     "step_fast_s": times["fast"],
+                     "exposed_comm_s": max(times["link"] - times["fast"], 0.0),
+                     "buckets_chosen": 0, "report": []})
+    return rows
 
 
 def _predicted_vs_measured(report, recorded, memory, link, world) -> dict:
@@ -201,6 +252,10 @@ def main(argv=None) -> int:
     p.add_argument("--bucketing", action="store_true",
                    help="let Helix merge the streams' collectives where its simulation of "
                         "--link says it pays")
+    p.add_argument("--inductor", action="store_true",
+                   help="add the program compiled by Inductor, without and with PyTorch's "
+                        "reorder_for_compute_comm_overlap (needs a C++ compiler; compiles "
+                        "take a minute each here)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--out", default="helix-bench")

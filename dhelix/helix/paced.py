@@ -9,6 +9,7 @@ and without the Helix passes, so both run on one link.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Dict, Optional
 
@@ -22,6 +23,7 @@ c10d = torch.ops._c10d_functional
 _KINDS = {c10d.all_gather_into_tensor: ("all_gather", "out"),
           c10d.reduce_scatter_tensor: ("reduce_scatter", "in"),
           c10d.all_reduce: ("all_reduce", "in")}
+_WAIT = c10d.wait_tensor.default         # the real op (`patched_ops` may stand in for it)
 _LINK: Dict[str, Optional[PacedLink]] = {"link": None}
 _DONE: Dict[int, float] = {}                 # id(result) -> modelled completion
 STATS = {"modelled_s": 0.0, "slept_s": 0.0, "count": 0}
@@ -59,7 +61,7 @@ def _issue(op, *args):
 
 
 def _wait(t):
-    out = c10d.wait_tensor.default(t)
+    out = _WAIT(t)
     done = _DONE.pop(id(t), None)
     if done is not None:
         left = done - time.perf_counter()
@@ -79,7 +81,38 @@ def pace(gm: fx.GraphModule) -> int:
             node.args = (node.target,) + tuple(node.args)
             node.target = _issue
             n += 1
-        elif p is c10d.wait_tensor:
+        elif p is _WAIT.overloadpacket:
             node.target = _wait
     gm.recompile()
     return n
+
+
+class _Paced:
+    """Stands in for `torch.ops._c10d_functional.<op>` while code runs: `.default` goes
+    through the link model; anything else is the real op's."""
+
+    def __init__(self, packet):
+        self._packet = packet
+        if packet is _WAIT.overloadpacket:
+            self.default = _wait
+        else:
+            self.default = lambda *a: _issue(packet.default, *a)
+
+    def __getattr__(self, name):
+        return getattr(self._packet, name)
+
+
+@contextlib.contextmanager
+def patched_ops():
+    """Code that calls the functional collectives by name at run time — Inductor's
+    generated programs do — runs them on the link model inside this block. Enter it only
+    after compiling: tracing needs the real ops."""
+    ns = torch.ops._c10d_functional
+    saved = {p.__name__: p for p in list(_KINDS) + [_WAIT.overloadpacket]}
+    try:
+        for name, packet in saved.items():
+            setattr(ns, name, _Paced(packet))
+        yield
+    finally:
+        for name, packet in saved.items():
+            setattr(ns, name, packet)
