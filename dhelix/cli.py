@@ -57,7 +57,8 @@ def spawn(a, argv) -> int:
 def cmd_train(a, argv) -> int:
     from dhelix.megatron.args import check_dhelix_args
     from dhelix.train.args import train_config_from_args
-    from dhelix.train.trainer import preflight, train
+    from dhelix.train.config import preflight
+    from dhelix.train.trainer import train
 
     cfg = train_config_from_args(a)
     if a.nproc:

@@ -96,7 +96,7 @@ def test_dhelix_equals_cp_baseline_for_random_plans(tmp_path, tp, cp, seeds):
 
 
 def test_cp_layouts_are_checked(tmp_path):
-    from dhelix.train.trainer import TrainConfig, preflight
+    from dhelix.train.config import TrainConfig, preflight
     with pytest.raises(ConfigError, match=r"--seq-length 60 does not split into 2·CP = 8 "
                                           r"chunks.*multiple of 8"):
         preflight(TrainConfig(config="tiny-llama", seq_length=60, context_parallel_size=4), 4)

@@ -5,7 +5,7 @@ import pytest
 
 from dhelix.models.config import ConfigError, load_model_config
 from dhelix.testing import run_ranks
-from dhelix.train.trainer import TrainConfig, check_layout, model_of
+from dhelix.train.config import TrainConfig, check_layout, model_of
 from train_fns import train_losses, train_result
 
 MOE = dict(config="tiny-moe", data="synthetic", micro_batch_size=2, global_batch_size=16)

@@ -6,7 +6,7 @@ import pytest
 
 from dhelix.models.config import ConfigError, load_model_config
 from dhelix.testing import RankError, RankTimeout, run_ranks
-from dhelix.train.trainer import TrainConfig, check_layout
+from dhelix.train.config import TrainConfig, check_layout
 from train_fns import train_losses
 
 STEPS = 30

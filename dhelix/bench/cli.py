@@ -305,10 +305,9 @@ def run(a, argv) -> int:
     return 0
 
 
-def _layer_prediction(a, cfg, cost_source) -> float:
-    """The simulator's layer speedup (trivial plan / planned) from the costs the planned
-    run used."""
-    from dhelix.planner import dp
+def _layer_costs(a, cfg, cost_source):
+    """The bench's layer (LayerOps) and the costs its planned runs used: the profiled
+    table, or the analytical model of this machine."""
     from dhelix.planner.cli import layer_for_shape, load_costs
     tp = a.tensor_model_parallel_size
     shape = {"config": cfg, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
@@ -317,6 +316,14 @@ def _layer_prediction(a, cfg, cost_source) -> float:
     layer = layer_for_shape(shape)
     table = cost_source if cost_source.endswith(".json") else None
     costs, _ = load_costs(layer, shape, table, None if table else cost_source, False)
+    return layer, costs
+
+
+def _layer_prediction(a, cfg, cost_source) -> float:
+    """The simulator's layer speedup (trivial plan / planned) from the costs the planned
+    run used."""
+    from dhelix.planner import dp
+    layer, costs = _layer_costs(a, cfg, cost_source)
     meta = dp.plan(layer, costs).meta
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
@@ -375,13 +382,8 @@ def _pp_simulate(a, cfg, link, cost_source) -> dict:
     from dhelix.folding.simulate import LayerCosts, simulate_pipeline
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
-    from dhelix.planner.cli import layer_for_shape, load_costs
     tp = a.tensor_model_parallel_size
-    shape = {"config": cfg, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
-             "mbs": a.micro_batch_size, "bf16": False, "lane": "intra"}
-    layer = layer_for_shape(shape)
-    table = cost_source if cost_source.endswith(".json") else None
-    costs, _ = load_costs(layer, shape, table, None if table else cost_source, False)
+    layer, costs = _layer_costs(a, cfg, cost_source)
     lc = LayerCosts.from_plan(layer, dp.plan(layer, costs), costs)
     m = load_model_config(cfg)
     G = a.pipeline_model_parallel_size

@@ -213,6 +213,19 @@ def unpack_backward(step: int, cp: int, msg: torch.Tensor):
 
 
 # ---- the CP baseline: megatron's core-attention slot ---------------------------------------
+_LANES = {}
+
+
+def lanes_for(device: torch.device):
+    """One set of lanes per device for the baseline's ring (CUDA streams are made once,
+    not at every call)."""
+    from dhelix.strand.lanes import make_lanes
+    key = str(device)
+    if key not in _LANES:
+        _LANES[key] = make_lanes(device)
+    return _LANES[key]
+
+
 def exchange(lanes, op: str, ring: Ring, x: torch.Tensor):
     return lanes.ring_exchange(op, x, ring.next, ring.prev, ring.group, ring.lane)
 
@@ -223,8 +236,7 @@ class _RingFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float):
-        from dhelix.strand.lanes import make_lanes
-        lanes = make_lanes(q.device)
+        lanes = lanes_for(q.device)
         qh = to_heads(q)
         kv = torch.stack((to_heads(k), to_heads(v)))
         o, lse = forward_init(qh)
@@ -239,10 +251,9 @@ class _RingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from dhelix.strand.lanes import make_lanes
         qh, kv, o, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
-        lanes = make_lanes(qh.device)
+        lanes = lanes_for(qh.device)
         do, delta, dq = backward_init(o, g)
         dkv_final = run_backward_ring(lanes, ring, qh, kv, lse, do, delta, dq, scale)
         dqs, dks, dvs = backward_finish(dq, dkv_final, ctx.dtype)

@@ -46,7 +46,7 @@ def _on_ranks(a, argv, body) -> int:
     from dhelix.train.dist import init_distributed
 
     def on_rank():
-        from dhelix.train.trainer import TrainConfig, model_of
+        from dhelix.train.config import TrainConfig, model_of
         m = model_of(TrainConfig(
             config=a.config, num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
             moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from dhelix.train.trainer import TrainConfig
+from dhelix.train.config import TrainConfig
 
 # without --global-batch-size: enough micro-batches per step for F(k+1) ∥ B(k) to happen
 DEFAULT_MICROBATCHES = 4
