@@ -67,9 +67,14 @@ def test_bench_writes_its_table_and_pictures(tmp_path):
     assert [r["method"] for r in rows] == ["compiled, no passes", "helix K=2"]
     for r in rows:
         assert r["exposed_comm_s"] == max(r["step_link_s"] - r["step_fast_s"], 0.0)
-    assert rows[0]["exposed_comm_s"] > 0          # 20 Mbit/s: the collectives show
+    # No timing threshold here (CI machines are noisy): the collectives went over the
+    # paced link, so its lane in the trace holds them with positive durations.
     trace = json.load(open(out + ".trace.json"))["traceEvents"]
     assert {e["tid"] for e in trace} == {"compute", "link"}
+    link = [e for e in trace if e["tid"] == "link"]
+    assert link and all(e["dur"] > 0 for e in link)
+    for r in rows:
+        assert r["exposed_cut"] is None or isinstance(r["exposed_cut"], float)
     for suffix in (".png", ".timeline.png", ".md"):
         assert (tmp_path / ("hb" + suffix)).stat().st_size > 0
 

@@ -26,7 +26,7 @@ def test_parse_link():
 
 def test_paced_link_delays_to_the_model_holding_no_cpu():
     """Each collective ends at the modelled time (ring bytes / 100 Mbit/s + latency),
-    within 5 ms plus 10%, while the process uses a small fraction of that as CPU time;
+    no sooner, and no later than 25% plus 20 ms (slack for a loaded CI machine), while the process uses a small fraction of that as CPU time;
     two collectives issued together queue on the FIFO link; the default group is not
     paced."""
     for res in run_ranks(link_fns.time_collectives, 2, env={"DHELIX_LINK": PACED},
@@ -34,14 +34,14 @@ def test_paced_link_delays_to_the_model_holding_no_cpu():
         for name in ("all_gather", "all_reduce", "reduce_scatter"):
             r = res[name]
             assert r["model"] > 0.05                          # 84-168 ms at 100 Mbit/s
-            assert r["model"] * 0.99 <= r["wall"] <= r["model"] * 1.1 + 0.005, (name, r)
+            assert r["model"] * 0.99 <= r["wall"] <= r["model"] * 1.25 + 0.02, (name, r)
             assert r["cpu"] < 0.25 * r["wall"], (name, r)     # waiting, not computing
         f = res["fifo"]
         assert f["first"] >= f["model"] * 0.99
         assert f["both"] >= 2 * f["model"] * 0.99              # the second queued
         r = res["ring_step"]                                   # full duplex: one transfer
-        assert r["model"] * 0.99 <= r["wall"] <= r["model"] * 1.1 + 0.005, r
-        assert res["default_group_s"] < 0.05
+        assert r["model"] * 0.99 <= r["wall"] <= r["model"] * 1.25 + 0.02, r
+        assert res["default_group_s"] < 0.5 * res["all_gather"]["model"]
 
 
 def test_training_over_the_paced_link_is_unchanged():
