@@ -174,3 +174,50 @@ def paced_by_name():
             "model": collective_seconds("all_gather", y.numel() * 4, 2, link.rate,
                                         link.latency),
             "restored": type(torch.ops._c10d_functional.wait_tensor).__name__}
+
+
+def dp_vs_exhaustive(kind, tiles, link, budget_share=None, batch=4, seq=8, layers=2):
+    """Bucketing by the dynamic program and by trying every subset, on the same graphs:
+    per graph, the DP's choice and the best fitting subset (makespan, peak), how many
+    subsets each simulated. `budget_share` puts the budget that share of the way from
+    the smallest simulated peak to the largest."""
+    import torch._dynamo
+    from dhelix.helix import HelixOptions, helix_backend
+    from dhelix.helix.models import build as build_model
+
+    def compile_once(search, budget=None):
+        torch._dynamo.reset()
+        model, _ = build_model(kind, layers=layers)
+        be = helix_backend(HelixOptions(tiles=tiles, bucketing=True, link=link,
+                                        memory_budget_bytes=budget, bucketing_search=search))
+        c = torch.compile(model, backend=be)
+        g = torch.Generator().manual_seed(1)
+        if kind == "block":
+            x = torch.randn(batch, seq // dist.get_world_size(), 32, generator=g,
+                            requires_grad=True)
+        else:
+            x = torch.randint(0, 64, (batch, seq), generator=g)
+        y = c(x)
+        y = y.to_local() if hasattr(y, "to_local") else y
+        y.sum().backward()
+        return be.report.graphs
+    budget = None
+    exh = compile_once("exhaustive")
+    if budget_share is not None:
+        peaks = [x["peak_bytes"] for g in exh for x in g["buckets"]["tried"]]
+        lo = max(min(x["peak_bytes"] for x in g["buckets"]["tried"]) for g in exh)
+        budget = lo + budget_share * (max(peaks) - lo)
+        exh = compile_once("exhaustive", budget)
+    dp = compile_once("dp", budget)
+    out = {}
+    for e, d in zip(exh, dp):
+        eb, db = e["buckets"], d["buckets"]
+        fit = [x for x in eb["tried"] if x["fits"]]
+        best = min(fit, key=lambda x: x["makespan_s"])
+        pick = next(x for x in eb["tried"] if sorted(x["merged"]) == sorted(db["chosen"]))
+        out[e["graph"]] = {"candidates": len(eb["candidates"]), "best_s": best["makespan_s"],
+                           "dp_s": pick["makespan_s"], "dp_peak": pick["peak_bytes"],
+                           "budget": budget, "dp_fits": pick["fits"],
+                           "dp_simulated": len(db["tried"]), "exh_simulated": len(eb["tried"]),
+                           "states": db["states"], "search": db["search"]}
+    return out

@@ -116,6 +116,23 @@ def test_bucketing_equals_eager_and_merges_where_it_pays(tiles, link):
             assert not b["chosen"], g
 
 
+@pytest.mark.parametrize("tiles,link,share", [(2, "paced:1gbit,5ms", None),
+                                               (2, "paced:1gbit,50us", 0.0),
+                                               (4, "paced:300mbit,20us", 0.5)])
+def test_bucketing_dp_chooses_as_well_as_trying_every_subset(tiles, link, share):
+    """The dynamic program's choice has the least simulated makespan among all 2^N
+    subsets that fit the budget (budget: none, the smallest peak, half-way up), while
+    it simulates fewer of them."""
+    from helix_fns import dp_vs_exhaustive
+    res = run_ranks(dp_vs_exhaustive, 2, "block", tiles, link, share, timeout=400)[0]
+    assert set(res) == {"forward", "backward"}
+    for g, r in res.items():
+        assert r["candidates"] == 4
+        assert r["dp_fits"] and r["dp_s"] == pytest.approx(r["best_s"], rel=1e-12), (g, r)
+        assert r["dp_simulated"] < r["exh_simulated"] == 16, (g, r)
+        assert r["search"].startswith("dynamic program over 4 candidates"), r
+
+
 def test_bucketing_respects_the_memory_budget():
     """A budget at the smallest simulated peak: the choice fits it (in simulation); a
     budget below every choice is refused, naming the smallest peak."""

@@ -31,6 +31,7 @@ class HelixOptions:
     paced: bool = False            # collectives on the paced link (`helix.paced`)
     bucketing: bool = False        # merge the streams' copies of a collective where it pays
     memory_budget_bytes: Optional[float] = None   # bucketing: the simulated peak's limit
+    bucketing_search: str = "dp"   # "dp" (the dynamic program) or "exhaustive" (2^N)
     # the machine the bucketing choice is simulated for (compute from the graph's FLOPs
     # and bytes, collectives from the link model)
     link: str = "paced:1gbit"
@@ -161,6 +162,9 @@ def _bucketed(gm: fx.GraphModule, inputs, opts: HelixOptions):
     from dhelix.helix.simulate import analytical_seconds, simulate_graph
     from dhelix.helix.tiling import propagate_shapes
     from dhelix.links import parse_link
+    if opts.bucketing_search not in ("dp", "exhaustive"):
+        raise ValueError(f"HelixOptions.bucketing_search {opts.bucketing_search!r}: use "
+                         f"'dp' or 'exhaustive'")
     link = parse_link(opts.link, "HelixOptions.link")
     if link.kind != "paced":
         raise ValueError(f"HelixOptions.link {opts.link!r}: bucketing needs a link model "
@@ -180,12 +184,12 @@ def _bucketed(gm: fx.GraphModule, inputs, opts: HelixOptions):
         segs_of[id(t)] = round_robin(t) if opts.reorder else {}
         return t
 
-    def score(t):
+    def simulate(t):
         sec = analytical_seconds(t.gm, opts.flops_per_s, opts.bytes_per_s)
-        p = simulate_graph(t.gm, sec, link.rate_Bps, link.latency_s, world)
-        return p.makespan_s, p.peak_bytes
+        return simulate_graph(t.gm, sec, link.rate_Bps, link.latency_s, world, trace=True)
     cands = candidates(tile(gm, inputs, opts.tiles), opts.tiles)
-    t, rep = choose(build, score, cands, opts.memory_budget_bytes)
+    t, rep = choose(build, simulate, cands, opts.memory_budget_bytes,
+                    exhaustive=opts.bucketing_search == "exhaustive")
     return t, segs_of[id(t)], rep
 
 

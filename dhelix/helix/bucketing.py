@@ -7,10 +7,20 @@ choice is scored by DHelix's simulator on the whole scheduled graph (makespan, a
 memory against a budget: a bucket's concatenated input and output are extra buffers).
 
 Candidates are the program's collectives whose K copies are all-gathers, reduce-scatters
-or all-reduces on one group. The choice is an exhaustive search over subsets of
-candidates (2^N simulations) when N is at most `EXHAUSTIVE` and a greedy pass (merge one
-candidate at a time, in order, while it improves) beyond; not the dynamic program the
-issue asks for.
+or all-reduces on one group. The choice is a dynamic program over the candidates in
+issue order (`choose`). A state is a set of decisions for the first i candidates; what
+the rest of the program does depends on them only through the simulator's state where
+the first undecided candidate's region begins (the boundary): the thread's clock, the
+link's, the collectives in flight, the buffers alive, the peak so far. States with the
+same program beyond the boundary, the same collectives in flight and the same buffers
+alive are compared there, and one that is no sooner and no smaller in any of those is
+dropped (dominated); a state whose peak before the boundary is over the budget is
+dropped for good. Survivors of the last stage are whole choices, simulated in full; the
+fastest that fits wins. Dropping is safe for the makespan (the simulator never ends
+sooner from later clocks); for the peak it assumes earlier clocks never raise the peak
+still to come, which is not proven (frees and allocations can change order), so
+`exhaustive=True` simulates all 2^N subsets instead and the tests check that both choose
+alike.
 """
 from __future__ import annotations
 
@@ -26,7 +36,7 @@ from dhelix.helix.tiling import Tiled
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 MERGEABLE = (c10d.all_gather_into_tensor, c10d.reduce_scatter_tensor, c10d.all_reduce)
-EXHAUSTIVE = 8
+MAX_STATES = 64                 # per stage; beyond it the slowest are dropped (reported)
 
 
 def candidates(t: Tiled, k: int) -> List[str]:
@@ -110,56 +120,150 @@ def _pos(g: fx.Graph, node) -> int:
 
 
 @dataclass
-class Choice:
-    merged: Tuple[str, ...]
-    makespan_s: float
-    peak_bytes: float
-    fits: bool
-
-
-@dataclass
 class BucketReport:
     candidates: List[str] = field(default_factory=list)
     chosen: List[str] = field(default_factory=list)
     rejected: List[str] = field(default_factory=list)
     search: str = ""
+    states: List[int] = field(default_factory=list)     # kept after each stage
     tried: List[Dict] = field(default_factory=list)
 
 
-def choose(build: Callable[[Tuple[str, ...]], Tiled], score: Callable[[Tiled], Tuple[float, float]],
-           cands: List[str], budget: Optional[float]) -> Tuple[Tiled, BucketReport]:
+@dataclass
+class _State:
+    merged: Tuple[str, ...]
+    t: Tiled
+    pred: object                        # helix.simulate.Prediction, traced
+    key: tuple = ()                     # equal keys: the same future, comparable
+    times: Tuple[float, ...] = ()       # clocks at the boundary (smaller is better)
+    peak_before: float = 0.0
+
+
+def _call_nodes(t: Tiled) -> List[fx.Node]:
+    return [n for n in t.gm.graph.nodes if n.op == "call_function"]
+
+
+def boundary(t: Tiled, future: List[str]) -> int:
+    """Position (in issue order) where a merge of a `future` candidate may first change
+    the program: its first copy or the first of the copies' inputs. (A merge puts the
+    bucket after the last input and removes the copies and their waits; the round-robin
+    then issues every stream up to its own input as before, and re-forms what follows.)"""
+    nodes = _call_nodes(t)
+    pos = {n: i for i, n in enumerate(nodes)}
+    fut = set(future)
+    first = len(nodes)
+    for n in nodes:
+        if t.origin.get(n.name) in fut and \
+                getattr(n.target, "overloadpacket", None) in MERGEABLE:
+            first = min(first, pos[n], pos.get(n.args[0], first))
+    return first
+
+
+def _checkpoint(st: _State, p: int) -> None:
+    """The simulator's state at op `p` of `st`'s program (see the module doc). Streams are
+    named by the order in which the rest of the program first issues them: the tiles are
+    alike, so two states that differ only in which stream leads are the same state."""
+    nodes = _call_nodes(st.t)
+    prog, spans = st.pred.program, st.pred.spans
+    ops = prog.layer.forward
+    canon: Dict[int, int] = {-1: -1}
+    for n in nodes[p:]:
+        canon.setdefault(st.t.stream.get(n.name, -1), len(canon) - 1)
+    for s_ in sorted(set(st.t.stream.values())):
+        canon.setdefault(s_, len(canon) - 1)
+
+    def name(i):
+        n = nodes[i]
+        return (st.t.origin.get(n.name, n.name), canon[st.t.stream.get(n.name, -1)])
+    thread = max([spans[i][1] for i in range(p) if ops[i].kind != "comm"], default=0.0)
+    link = max([spans[i][1] for i in range(p) if ops[i].kind == "comm"], default=0.0)
+    flight = sorted((name(i), spans[i][1]) for i in range(p)
+                    if ops[i].kind == "comm" and prog.readers[i] >= p)
+    # buffers alive at the boundary: freed by an op still to come (when, the rest of the
+    # program decides), never (graph outputs), or after an op already issued that ends
+    # later (a collective reading its input: when is part of the state)
+    live, freeing = [], []
+    for i in range(p):
+        nbytes, last = prog.lifetimes[i]
+        if nbytes <= 0:
+            continue
+        if last < 0 or last >= p:
+            live.append((name(i), nbytes))
+        elif max(spans[last][1], spans[i][1]) > thread:
+            freeing.append((name(i), nbytes, max(spans[last][1], spans[i][1])))
+    live.sort()
+    freeing.sort()
+    future = tuple(name(i) + (str(nodes[i].target),) for i in range(p, len(nodes)))
+    st.key = (future, tuple(o for o, _ in flight), tuple(live),
+              tuple((o, b) for o, b, _ in freeing))
+    st.times = (thread, link) + tuple(e for _, e in flight) + tuple(e for _, _, e in freeing)
+    st.peak_before = max([b for tm, b in st.pred.memory if tm < thread], default=0.0)
+
+
+def _dominates(a: _State, b: _State) -> bool:
+    return a.key == b.key and a.peak_before <= b.peak_before and \
+        all(x <= y for x, y in zip(a.times, b.times))
+
+
+def choose(build: Callable[[Tuple[str, ...]], Tiled], simulate: Callable[[Tiled], object],
+           cands: List[str], budget: Optional[float],
+           exhaustive: bool = False) -> Tuple[Tiled, BucketReport]:
     """The merge set with the least simulated makespan whose peak fits `budget`;
-    `build(merged)` gives the scheduled graph, `score` its (makespan, peak)."""
+    `build(merged)` gives the scheduled graph, `simulate` its traced prediction
+    (`helix.simulate.simulate_graph(..., trace=True)`)."""
     rep = BucketReport(candidates=list(cands))
-    best: Optional[Tuple[Choice, Tiled]] = None
+    made: Dict[Tuple[str, ...], _State] = {}
 
-    def consider(merged):
-        nonlocal best
-        t = build(merged)
-        span, peak = score(t)
-        c = Choice(tuple(merged), span, peak, budget is None or peak <= budget)
-        rep.tried.append({"merged": list(merged), "makespan_s": span, "peak_bytes": peak,
-                          "fits": c.fits})
-        if c.fits and (best is None or span < best[0].makespan_s):
-            best = (c, t)
-        return c
+    def state(merged) -> _State:
+        key = tuple(sorted(merged))
+        if key not in made:
+            t = build(tuple(merged))
+            p = simulate(t)
+            made[key] = _State(tuple(merged), t, p)
+            rep.tried.append({"merged": list(merged), "makespan_s": p.makespan_s,
+                              "peak_bytes": p.peak_bytes,
+                              "fits": budget is None or p.peak_bytes <= budget})
+        return made[key]
 
-    if len(cands) <= EXHAUSTIVE:
+    if exhaustive:
         rep.search = f"exhaustive over {2 ** len(cands)} subsets"
-        for r in range(len(cands) + 1):
-            for merged in itertools.combinations(cands, r):
-                consider(merged)
+        final = [state(m) for r in range(len(cands) + 1)
+                 for m in itertools.combinations(cands, r)]
     else:
-        rep.search = "greedy, in order"
-        cur = consider(())
-        for c in cands:
-            trial = consider(cur.merged + (c,))
-            if trial.fits and trial.makespan_s < cur.makespan_s:
-                cur = trial
-    if best is None:
+        # candidates in the order the unmerged program issues them
+        root = state(())
+        order = {n.name: i for i, n in enumerate(_call_nodes(root.t))}
+        first = {}
+        for n in _call_nodes(root.t):
+            first.setdefault(root.t.origin.get(n.name), order[n.name])
+        cands = sorted(cands, key=lambda c: first[c])
+        states = [root]
+        for i, c in enumerate(cands):
+            grown = []
+            for st in states:
+                for merged in (st.merged, st.merged + (c,)):
+                    child = state(merged)
+                    _checkpoint(child, boundary(child.t, cands[i + 1:]))
+                    if budget is None or child.peak_before <= budget:
+                        grown.append(child)
+            kept = [a for a in grown if not any(b is not a and _dominates(b, a) and
+                                                (not _dominates(a, b) or id(b) < id(a))
+                                                for b in grown)]
+            kept.sort(key=lambda s: (s.times[:1], s.peak_before))
+            states = kept[:MAX_STATES]
+            rep.states.append(len(states))
+        final = states
+        capped = any(n == MAX_STATES for n in rep.states)
+        rep.search = (f"dynamic program over {len(cands)} candidates in issue order: "
+                      f"{len(made)} of {2 ** len(cands)} subsets simulated, at most "
+                      f"{max(rep.states, default=1)} states kept per stage"
+                      + (f" (capped at {MAX_STATES}: not exact)" if capped else ""))
+    fits = [s for s in final if budget is None or s.pred.peak_bytes <= budget]
+    if not fits:
         raise ValueError(f"bucketing: no choice fits the memory budget {budget:.0f} bytes "
                          f"(the smallest simulated peak was "
                          f"{min(x['peak_bytes'] for x in rep.tried):.0f} bytes)")
-    rep.chosen = list(best[0].merged)
-    rep.rejected = [c for c in cands if c not in best[0].merged]
-    return best[1], rep
+    best = min(fits, key=lambda s: (s.pred.makespan_s, s.pred.peak_bytes, len(s.merged)))
+    rep.chosen = list(best.merged)
+    rep.rejected = [c for c in rep.candidates if c not in best.merged]
+    return best.t, rep

@@ -105,10 +105,15 @@ def program_of(gm: fx.GraphModule) -> Program:
 class Prediction:
     makespan_s: float
     peak_bytes: float
+    # with trace=True: the program, each op's (start, end) in issue order, and the live
+    # bytes after each allocation or free as (time, bytes)
+    program: Optional[Program] = None
+    spans: Optional[List[Tuple[float, float]]] = None
+    memory: Optional[List[Tuple[float, float]]] = None
 
 
 def simulate_graph(gm: fx.GraphModule, seconds: Dict[str, float], rate_Bps: float,
-                   latency_s: float, group_size: int) -> Prediction:
+                   latency_s: float, group_size: int, trace: bool = False) -> Prediction:
     """Makespan and peak memory of the graph as scheduled: compute durations from
     `seconds` (node name -> s, e.g. measured), collectives from the link model."""
     from dhelix.planner.costmodel import collective_seconds
@@ -126,8 +131,12 @@ def simulate_graph(gm: fx.GraphModule, seconds: Dict[str, float], rate_Bps: floa
         table.alone_f[o.name] = t
     model = LaneModel(prog.layer, table, base_bytes=0.0, readers=prog.readers,
                       lifetimes=prog.lifetimes)
-    span, peak, _ = model.step(list(range(len(prog.layer.forward))), [])
-    return Prediction(span, peak)
+    events, memory = ([], []) if trace else (None, None)
+    span, peak, _ = model.step(list(range(len(prog.layer.forward))), [], events=events,
+                               memory=memory)
+    if not trace:
+        return Prediction(span, peak)
+    return Prediction(span, peak, prog, [(e[3], e[4]) for e in events], memory)
 
 
 class MemoryRecorder(fx.Interpreter):

@@ -111,8 +111,11 @@ class LaneModel:
         self.base = float(base_bytes)
 
     def step(self, fidx: Sequence[int], bidx: Sequence[int], mem0: float = 0.0,
-             t0: float = 0.0, events: Optional[list] = None) -> Tuple[float, float, float]:
-        """Simulate one step; return (duration, peak bytes, bytes at the end).
+             t0: float = 0.0, events: Optional[list] = None,
+             memory: Optional[list] = None) -> Tuple[float, float, float]:
+        """Simulate one step; return (duration, peak bytes, bytes at the end). `events`
+        collects each op's (strand, name, lane, start, end); `memory` the bytes live after
+        each allocation or free, as (time, bytes).
 
         The arithmetic here is mirrored exactly by csrc/planner.cpp (Problem::simulate)."""
         lanes = (self.f_lane, self.b_lane)
@@ -205,6 +208,8 @@ class LaneModel:
                     peak = mem
             else:
                 mem = mem - nbytes
+            if memory is not None:
+                memory.append((t0 + tm, mem))
         return span, peak, mem
 
 
