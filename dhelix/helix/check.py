@@ -20,7 +20,8 @@ def check_dependencies(original: fx.Graph, t: Tiled) -> int:
         for a in n.all_input_nodes:
             assert pos[a] < pos[n], f"{n.name} is issued before {a.name}, which it reads"
         v = old.get(t.origin.get(n.name, ""))
-        if v is None or n.op != "call_function" or n.target != v.target:
+        if v is None or n.op != "call_function" or n.target != v.target or \
+                n.name in t.concatenated:
             continue                     # tile slices, tile sums, concatenations, buckets
         want = {a.name for a in v.all_input_nodes}
         got = {t.origin[a.name] for a in n.all_input_nodes}

@@ -38,6 +38,18 @@ def round_robin(t: Tiled) -> Dict[str, int]:
     done = {n for n in g.nodes if n.op == "placeholder"}
     order: List[fx.Node] = []
 
+    # Shared ops that only put outputs together (the tiles of a value saved for the
+    # backward, concatenated): issued as soon as their tiles exist rather than at the
+    # end, so each tile is freed after its last reader instead of every tile of every
+    # saved value being alive at once when the forward ends.
+    out_node = next(n for n in g.nodes if n.op == "output")
+    assemble = set()
+    for n in reversed(nodes):      # shared ops read only by the output or by such ops
+        if t.stream[n.name] < 0 and n.users and \
+                all(u is out_node or u in assemble for u in n.users):
+            assemble.add(n)
+    assemble = [n for n in nodes if n in assemble]
+
     def issue(n) -> bool:
         """Issue n after its shared inputs; False if it reads an op not yet issued."""
         for a in n.all_input_nodes:
@@ -47,6 +59,10 @@ def round_robin(t: Tiled) -> Dict[str, int]:
                 return False
         done.add(n)
         order.append(n)
+        for m in assemble:         # in graph order: a view after what it views
+            if m not in done and all(a in done for a in m.all_input_nodes):
+                done.add(m)
+                order.append(m)
         return True
 
     while any(pos[s] < len(segs[s]) for s in streams):

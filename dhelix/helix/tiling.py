@@ -53,6 +53,11 @@ POINTWISE = {
     aten.bitwise_not, aten.abs,
 }
 VIEWS = {aten.view, aten._unsafe_view, aten.reshape}
+# ops whose result shares its argument's storage: an output made by one is rebuilt from
+# its argument put back together (`tile`, output)
+OUTPUT_VIEWS = {aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute,
+                aten.detach, aten.alias, aten.split, aten.split_with_sizes, aten.unsqueeze,
+                aten.squeeze, aten.slice, aten.select, aten.expand, operator.getitem}
 
 
 def _packet(node: fx.Node):
@@ -317,6 +322,7 @@ class Tiled:
     split_ops: int                  # original ops copied per tile
     shared_ops: int                 # original ops run once
     buckets: Dict[str, str] = field(default_factory=dict)   # original -> its bucket node
+    concatenated: set = field(default_factory=set)    # nodes putting an output's tiles together
 
 
 def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
@@ -331,6 +337,7 @@ def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
     stream: Dict[str, int] = {}
     origin: Dict[str, str] = {}
     n_split = n_shared = 0
+    concatenated = set()
 
     def mark(new, s, old):
         stream[new.name] = s
@@ -384,6 +391,27 @@ def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
             new.meta = dict(node.meta)
             shared[node] = mark(new, -1, node)
         elif node.op == "output":
+            assembled: Dict[fx.Node, fx.Node] = {}
+
+            def whole(a):
+                """Original value `a` (batched) put back together once. A view of a batched
+                value is that value put together and the original view applied to it, so
+                outputs sharing a base in the program share it here too (concatenating
+                each view would hold a copy of the base per view)."""
+                if a not in assembled:
+                    base = a.args[0] if a.args else None
+                    if a.op == "call_function" and _packet(a) in OUTPUT_VIEWS and \
+                            isinstance(base, fx.Node) and isinstance(lay.raw(base), Dim):
+                        args = (whole(base),) + tuple(a.args[1:])
+                        new = g.call_function(a.target, args, dict(a.kwargs))
+                    else:
+                        new = g.call_function(aten.cat.default,
+                                              ([tiles[t][a] for t in range(k)],
+                                               lay.raw(a).d))
+                        concatenated.add(new.name)
+                    assembled[a] = mark(new, -1, a)
+                return assembled[a]
+
             def out(a):
                 if not isinstance(a, fx.Node):
                     return a
@@ -391,9 +419,7 @@ def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
                 if isinstance(layout, Dim) and k == 1:
                     return tiles[0][a]
                 if isinstance(layout, Dim):
-                    c = g.call_function(aten.cat.default,
-                                        ([tiles[t][a] for t in range(k)], layout.d))
-                    return mark(c, -1, a)
+                    return whole(a)
                 if isinstance(layout, Ranks):
                     raise TilingError(f"tiling: output {a.name} is rank-blocked")
                 return value(a, None)
@@ -416,7 +442,7 @@ def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
     g.lint()
     out = fx.GraphModule(gm, g)
     propagate_shapes(out)
-    return Tiled(out, stream, origin, n_split, n_shared)
+    return Tiled(out, stream, origin, n_split, n_shared, concatenated=concatenated)
 
 
 def propagate_shapes(gm: fx.GraphModule) -> None:
