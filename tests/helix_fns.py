@@ -120,7 +120,7 @@ def paced_all_gather():
                                         link.latency)}
 
 
-def simulated_vs_measured_memory(tiles=2):
+def simulated_vs_measured_memory(tiles=2, bucketing=False):
     """Peak bytes of each graph's intermediate values: DHelix's simulator (tensor
     lifetimes of the scheduled graph) against a node-by-node measurement."""
     import torch._dynamo
@@ -130,7 +130,9 @@ def simulated_vs_measured_memory(tiles=2):
     from dhelix.helix.simulate import simulate_graph
     torch._dynamo.reset()
     model, _ = build("block", hidden=64, heads=4)
-    backend = helix_backend(HelixOptions(tiles=tiles))
+    # at 5 ms per message bucketing merges (its buffers then count)
+    backend = helix_backend(HelixOptions(tiles=tiles, bucketing=bucketing,
+                                         link="paced:1gbit,5ms"))
     m = torch.compile(model, backend=backend)
     x = torch.randn(8, 16 // dist.get_world_size(), 64, requires_grad=True)
     m(x).sum().backward()                         # compile
@@ -143,6 +145,8 @@ def simulated_vs_measured_memory(tiles=2):
         unit = {n.name: 1e-3 for n in timed.gm.graph.nodes}
         sim = simulate_graph(timed.gm, unit, 1e9, 0.0, dist.get_world_size())
         out[g] = (sim.peak_bytes, measured[g])
+    if bucketing:                                 # buckets were made, so they are measured
+        assert all(g["buckets"]["chosen"] for g in backend.report.graphs)
     return out
 
 

@@ -79,28 +79,31 @@ def test_bench_writes_its_table_and_pictures(tmp_path):
         assert (tmp_path / ("hb" + suffix)).stat().st_size > 0
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_simulated_peak_memory_matches_the_measured_one(tiles):
+@pytest.mark.parametrize("tiles,bucketing", [(1, False), (2, False), (4, False), (2, True)])
+def test_simulated_peak_memory_matches_the_measured_one(tiles, bucketing):
     """The simulator's tensor lifetimes (outputs freed after their last reader, views
-    sharing their base, collective buffers from issue to last use) give each graph's
-    peak within 10% of the bytes measured node by node."""
+    sharing their base, collective buffers from issue to last use, buckets' concatenated
+    buffers) give each graph's peak within 10% of the bytes measured node by node."""
     from helix_fns import simulated_vs_measured_memory
-    for res in run_ranks(simulated_vs_measured_memory, 2, tiles, timeout=300):
+    for res in run_ranks(simulated_vs_measured_memory, 2, tiles, bucketing, timeout=300):
         assert set(res) == {"forward", "backward"}
         for g, (sim, real) in res.items():
             assert real > 0
             assert abs(sim - real) <= 0.10 * real, (g, sim, real)
 
 
-@pytest.mark.parametrize("tiles,link", [(2, "paced:1gbit,5ms"), (4, "paced:1gbit,5ms"),
-                                        (2, "paced:1gbit,1us")])
-def test_bucketing_equals_eager_and_merges_where_it_pays(tiles, link):
+@pytest.mark.parametrize("kind,tiles,link", [("block", 2, "paced:1gbit,5ms"),
+                                             ("block", 4, "paced:1gbit,5ms"),
+                                             ("block", 2, "paced:1gbit,1us"),
+                                             ("gpt", 2, "paced:1gbit,5ms")])
+def test_bucketing_equals_eager_and_merges_where_it_pays(kind, tiles, link):
     """Bucketing: the streams' copies of a collective merged back where the simulator
     says it pays. With 5 ms per message a merge saves K−1 latencies and is chosen; with
-    1 us it costs the overlap and is not; either way the program equals eager."""
+    1 us it costs the overlap and is not; either way the program equals eager (the TP+SP
+    block and the small GPT)."""
     from helix_fns import compiled_vs_eager
-    res = run_ranks(compiled_vs_eager, 2, "block", tiles, True, 4, 8, True, link,
-                    timeout=300)[0]
+    res = run_ranks(compiled_vs_eager, 2, kind, tiles, True, 4, 8, True, link,
+                    timeout=400)[0]
     assert max(res["errors"].values()) <= 1e-6, res["errors"]
     for g in res["report"]:
         b = g["buckets"]
