@@ -167,3 +167,37 @@ def test_collectives_called_by_name_are_paced_inside_patched_ops():
         assert r["model"] * 0.99 <= r["inside"] <= r["model"] * 1.5 + 0.05, r
         assert r["outside"] < 0.5 * r["model"], r
         assert r["restored"] == "OpOverloadPacket"
+
+
+@pytest.mark.parametrize("mm_s,slowdown,span", [(0.7, 1.0, 1.0), (0.7, 2.0, 1.2),
+                                                (0.4, 2.0, 1.0)])
+def test_graph_simulation_stretches_compute_under_its_own_collective(mm_s, slowdown, span):
+    """A graph program: all-gather (1 s) issued, a GEMM under it, the wait. With an
+    overlap slowdown s the GEMM runs s times slower while the gather is in flight and at
+    full speed after it: 0.7 s of GEMM at s = 2 covers 0.5 s of work by t = 1, ends 1.2."""
+    from dhelix.planner.costs import CostTable
+    from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
+    from dhelix.planner.simulate import LaneModel
+    layer = LayerOps([OpSpec("ag", COMM, "intra", group="tp", collective="all_gather",
+                             comm_bytes=1.0), OpSpec("mm", COMPUTE, "compute"),
+                      OpSpec("wait", COMPUTE, "compute")], [])
+    table = CostTable.empty(layer)
+    table.alone_f.update({"ag": 1.0, "mm": mm_s, "wait": 0.0})
+    m = LaneModel(layer, table, base_bytes=0.0, readers=[2, -1, -1],
+                  lifetimes=[(0.0, -1)] * 3, overlap_slowdown=slowdown)
+    assert m.step([0, 1, 2], [])[0] == pytest.approx(span)
+
+
+def test_overlap_slowdown_is_measured_from_the_two_timelines():
+    """Compute that started inside a collective's flight, against the same node on the
+    fast link; compute outside any flight and the waits are not counted."""
+    from dhelix.helix.simulate import overlap_slowdown
+    fast = [{"node": "mm", "op": "mm", "t0": 0.0, "t1": 1.0},
+            {"node": "add", "op": "add", "t0": 1.0, "t1": 1.5}]
+    slow = [{"node": "ag", "op": "all_gather_into_tensor", "t0": 0.0, "t1": 0.01,
+             "link_done": 3.0},
+            {"node": "mm", "op": "mm", "t0": 0.1, "t1": 1.6},
+            {"node": "w", "op": "_wait", "t0": 1.6, "t1": 3.0},
+            {"node": "add", "op": "add", "t0": 3.0, "t1": 4.0}]
+    assert overlap_slowdown(fast, slow) == pytest.approx(1.5)
+    assert overlap_slowdown(fast, slow[1:]) is None

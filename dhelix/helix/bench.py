@@ -17,9 +17,14 @@ import time
 from typing import List
 
 
-def _configs(tiles: List[int]):
-    out = [("compiled, no passes", 1, False)]
-    out += [(f"helix K={k}", k, True) for k in tiles]
+def _configs(tiles: List[int], bucketing: bool = False):
+    """(name, K, reorder, bucketing) per row; with bucketing each K runs without and
+    with it, side by side."""
+    out = [("compiled, no passes", 1, False, False)]
+    for k in tiles:
+        out.append((f"helix K={k}", k, True, False))
+        if bucketing and k > 1:
+            out.append((f"helix K={k} + buckets", k, True, True))
     return out
 
 
@@ -46,6 +51,7 @@ def on_rank(args) -> dict:
         x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
     rows, timelines = [], {}
     pictured = (_configs(args.tiles)[0][0], f"helix K={args.tiles[0]}")
+    configs = _configs(args.tiles, args.bucketing)
 
     def step():
         dist.barrier()
@@ -53,14 +59,14 @@ def on_rank(args) -> dict:
         y = y.to_local() if hasattr(y, "to_local") else y
         y.float().sum().backward()
 
-    for name, k, reorder in _configs(args.tiles):
+    for name, k, reorder, bucketing in configs:
         times, recorded, memory = {}, {}, {}
         for which, rate in (("fast", link.rate_Bps * 1000), ("link", link.rate_Bps)):
             torch._dynamo.reset()
             paced.use_link(paced.GraphLink(rate, link.latency_s))
             backend = helix_backend(HelixOptions(
                 tiles=k, reorder=reorder, paced=True, link=args.link,
-                bucketing=args.bucketing and k > 1))
+                bucketing=bucketing))
             m = torch.compile(model, backend=backend)
             steps = []
             for it in range(args.warmup + args.iters):
@@ -158,15 +164,20 @@ def _predicted_vs_measured(report, recorded, memory, link, world) -> dict:
     """Per graph: the simulator's makespan (compute durations measured node by node on
     the fast link, collectives from the link model) and peak memory, beside the makespan
     measured on the link and the peak measured node by node."""
-    from dhelix.helix.simulate import simulate_graph
+    from dhelix.helix.simulate import overlap_slowdown, simulate_graph
     out = {}
     for g, timed in report.modules.items():
         fast = [e for e in recorded["fast"] if e["graph"] == g]
         slow = [e for e in recorded["link"] if e["graph"] == g]
         seconds = {e["node"]: e["t1"] - e["t0"] for e in fast}
         pred = simulate_graph(timed.gm, seconds, link.rate_Bps, link.latency_s, world)
+        # the same with compute stretched under a collective by the factor measured here
+        factor = overlap_slowdown(fast, slow)
+        slowed = simulate_graph(timed.gm, seconds, link.rate_Bps, link.latency_s, world,
+                                overlap_slowdown=factor or 1.0)
         measured = max(e.get("link_done") or e["t1"] for e in slow) - min(e["t0"] for e in slow)
         out[g] = {"simulated_s": pred.makespan_s, "measured_s": measured,
+                  "overlap_slowdown": factor, "simulated_slowed_s": slowed.makespan_s,
                   "simulated_peak_bytes": pred.peak_bytes,
                   "measured_peak_bytes": memory.get(g)}
     return out
@@ -185,10 +196,14 @@ def markdown(rows) -> str:
                      f"{_percent(r['exposed_cut'])} | {r['speedup']:.2f}x |")
     sim = [(r["method"], g, v) for r in rows for g, v in r.get("graphs", {}).items()]
     if sim:
-        lines += ["", "| method | graph | simulated ms | measured ms | simulated peak MiB | "
-                      "measured peak MiB |", "|---|---|---:|---:|---:|---:|"]
+        lines += ["", "| method | graph | simulated ms | overlap slowdown | simulated with "
+                      "it ms | measured ms | simulated peak MiB | measured peak MiB |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
         for m, g, v in sim:
+            f = v.get("overlap_slowdown")
             lines.append(f"| {m} | {g} | {v['simulated_s'] * 1e3:.1f} | "
+                         f"{'n/a' if f is None else f'{f:.2f}'} | "
+                         f"{v['simulated_slowed_s'] * 1e3:.1f} | "
                          f"{v['measured_s'] * 1e3:.1f} | "
                          f"{v['simulated_peak_bytes'] / 2**20:.2f} | "
                          f"{(v['measured_peak_bytes'] or 0) / 2**20:.2f} |")
@@ -256,8 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--tiles", default="2,4", help="K values to compare (default: 2,4)")
     p.add_argument("--bucketing", action="store_true",
-                   help="let Helix merge the streams' collectives where its simulation of "
-                        "--link says it pays")
+                   help="add rows where Helix merges the streams' collectives where its "
+                        "simulation of --link says it pays (beside the rows without)")
     p.add_argument("--inductor", action="store_true",
                    help="add the program compiled by Inductor, without and with PyTorch's "
                         "reorder_for_compute_comm_overlap (needs a C++ compiler; compiles "

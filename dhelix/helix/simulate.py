@@ -113,9 +113,12 @@ class Prediction:
 
 
 def simulate_graph(gm: fx.GraphModule, seconds: Dict[str, float], rate_Bps: float,
-                   latency_s: float, group_size: int, trace: bool = False) -> Prediction:
+                   latency_s: float, group_size: int, trace: bool = False,
+                   overlap_slowdown: float = 1.0) -> Prediction:
     """Makespan and peak memory of the graph as scheduled: compute durations from
-    `seconds` (node name -> s, e.g. measured), collectives from the link model."""
+    `seconds` (node name -> s, e.g. measured), collectives from the link model; a compute
+    op that starts while a collective is in flight takes `overlap_slowdown` times as long
+    (as a table's overlap factor stretches one strand's op under the other's comm)."""
     from dhelix.planner.costmodel import collective_seconds
     from dhelix.planner.costs import CostTable
     from dhelix.planner.simulate import LaneModel
@@ -130,7 +133,7 @@ def simulate_graph(gm: fx.GraphModule, seconds: Dict[str, float], rate_Bps: floa
             t = 0.0 if o.name in waits else float(seconds.get(o.name, 0.0))
         table.alone_f[o.name] = t
     model = LaneModel(prog.layer, table, base_bytes=0.0, readers=prog.readers,
-                      lifetimes=prog.lifetimes)
+                      lifetimes=prog.lifetimes, overlap_slowdown=overlap_slowdown)
     events, memory = ([], []) if trace else (None, None)
     span, peak, _ = model.step(list(range(len(prog.layer.forward))), [], events=events,
                                memory=memory)
@@ -198,3 +201,21 @@ def analytical_seconds(gm: fx.GraphModule, flops_per_s: float,
         else:
             out[n.name] = _nbytes(val) / bytes_per_s
     return out
+
+
+def overlap_slowdown(fast: List[dict], slow: List[dict]) -> Optional[float]:
+    """How much longer compute ops take while a collective is in flight, measured: the
+    node-by-node timeline of one graph on the link (`slow`: collectives have `link_done`)
+    against the same graph where the link is fast (`fast`). Time-weighted over the compute
+    ops that started inside a collective's flight; None if none did."""
+    alone = {e["node"]: e["t1"] - e["t0"] for e in fast}
+    flights = [(e["t0"], e["link_done"]) for e in slow if e.get("link_done")]
+    under = sum_alone = 0.0
+    for e in slow:
+        if e.get("link_done") or e["op"] in ("_wait", "wait_tensor") or \
+                e["node"] not in alone:
+            continue
+        if any(a <= e["t0"] < b for a, b in flights):
+            under += e["t1"] - e["t0"]
+            sum_alone += alone[e["node"]]
+    return under / sum_alone if sum_alone > 0 else None

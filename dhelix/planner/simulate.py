@@ -75,12 +75,15 @@ class LaneModel:
     def __init__(self, layer: LayerOps, table: CostTable, base_bytes: Optional[float] = None,
                  force: bool = False, source: str = "<table>",
                  readers: Optional[List[int]] = None,
-                 lifetimes: Optional[List[Tuple[float, int]]] = None):
+                 lifetimes: Optional[List[Tuple[float, int]]] = None,
+                 overlap_slowdown: float = 1.0):
         """`readers` and `lifetimes` describe a program that is not a layer's chains (a
         scheduled graph, `helix/`): which op reads each comm op's result, and for each op
         the bytes of its output and the op after whose end they are freed (-1: never).
         A layer's chains derive the first from their order and count memory by each op's
-        saved and temporary bytes instead."""
+        saved and temporary bytes instead. `overlap_slowdown` stretches such a program's
+        compute op that starts while one of its own collectives is in flight (a layer's
+        chains take theirs from the table's pairs, one strand against the other)."""
         table.check(layer, source=source, pairs="concurrent", force=force)
         self.layer = layer
         for o in list(layer.forward) + list(layer.backward):
@@ -104,6 +107,7 @@ class LaneModel:
         self.f_reader = list(readers) if readers is not None else comm_readers(layer.forward)
         self.b_reader = comm_readers(layer.backward)
         self.f_life = lifetimes
+        self.self_S = float(overlap_slowdown)
         if base_bytes is None:
             base_bytes = 0.0
             for v in self.b_saved:
@@ -165,8 +169,8 @@ class LaneModel:
                 w = T[x][k]
                 end = st + w
                 for (cx, ck, cs, ce) in comms:
-                    if cx != x and cs <= st and st < ce:
-                        s = S[k][ck] if x == 0 else S[ck][k]
+                    if cs <= st and st < ce and (cx != x or self.self_S != 1.0):
+                        s = self.self_S if cx == x else (S[k][ck] if x == 0 else S[ck][k])
                         if s > 1.0:
                             if st + w * s <= ce:
                                 end = st + w * s
