@@ -1,4 +1,4 @@
-"""Helix (issue 17, first part): tiling into K streams and segmented round-robin on the
+"""Helix (issue 17): tiling into K streams, segmented round-robin and bucketing on the
 graphs torch.compile captures from PyTorch's own tensor-parallel API, on 2 gloo ranks."""
 import pytest
 

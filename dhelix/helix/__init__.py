@@ -16,7 +16,7 @@ forward and backward graphs to `helix_backend`, where every compute op, collecti
   paced.py     the graph's collectives on the paced link (for measuring here)
   models.py    reference programs (a TP+SP block, a small GPT); bench.py measures them
   bucketing.py the streams' copies of a collective merged back where the simulator says
-               it pays, under a memory budget (a search over subsets, not yet a DP)
+               it pays, under a memory budget, chosen by a dynamic program
 """
 from dhelix.helix.backend import HelixOptions, HelixReport, helix_backend
 
