@@ -201,3 +201,11 @@ def test_overlap_slowdown_is_measured_from_the_two_timelines():
             {"node": "add", "op": "add", "t0": 3.0, "t1": 4.0}]
     assert overlap_slowdown(fast, slow) == pytest.approx(1.5)
     assert overlap_slowdown(fast, slow[1:]) is None
+
+
+def test_bad_options_are_refused_by_field():
+    from dhelix.helix import HelixOptions
+    with pytest.raises(ValueError, match="HelixOptions.bucketing_search 'greedy': use"):
+        HelixOptions(bucketing=True, bucketing_search="greedy")
+    with pytest.raises(ValueError, match="HelixOptions.tiles 0"):
+        HelixOptions(tiles=0)

@@ -38,6 +38,14 @@ class HelixOptions:
     flops_per_s: float = 5e10
     bytes_per_s: float = 5e9
 
+    def __post_init__(self):
+        if not isinstance(self.tiles, int) or self.tiles < 1:
+            raise ValueError(f"HelixOptions.tiles {self.tiles!r}: give a whole number of "
+                             f"tile streams, 1 or more")
+        if self.bucketing_search not in ("dp", "exhaustive"):
+            raise ValueError(f"HelixOptions.bucketing_search {self.bucketing_search!r}: "
+                             f"use 'dp' or 'exhaustive'")
+
 
 @dataclass
 class HelixReport:
@@ -162,9 +170,6 @@ def _bucketed(gm: fx.GraphModule, inputs, opts: HelixOptions):
     from dhelix.helix.simulate import analytical_seconds, simulate_graph
     from dhelix.helix.tiling import propagate_shapes
     from dhelix.links import parse_link
-    if opts.bucketing_search not in ("dp", "exhaustive"):
-        raise ValueError(f"HelixOptions.bucketing_search {opts.bucketing_search!r}: use "
-                         f"'dp' or 'exhaustive'")
     link = parse_link(opts.link, "HelixOptions.link")
     if link.kind != "paced":
         raise ValueError(f"HelixOptions.link {opts.link!r}: bucketing needs a link model "
