@@ -164,9 +164,9 @@ def helix_backend(options: Optional[HelixOptions] = None,
 
 
 def _bucketed(gm: fx.GraphModule, inputs, opts: HelixOptions):
-    """Tile, then choose the buckets by simulating every candidate set
-    (`helix.bucketing`); returns the chosen scheduled graph, its segments, the report."""
-    from dhelix.helix.bucketing import candidates, choose, merge
+    """Tile, then choose the buckets by simulating candidate sets (`helix.bucketing`);
+    returns the chosen scheduled graph, its segments, the report."""
+    from dhelix.helix.bucketing import choose, merge
     from dhelix.helix.simulate import analytical_seconds, simulate_graph
     from dhelix.helix.tiling import propagate_shapes
     from dhelix.links import parse_link
@@ -176,7 +176,6 @@ def _bucketed(gm: fx.GraphModule, inputs, opts: HelixOptions):
                          f"(paced:RATE[,LATENCY])")
     import torch.distributed as dist
     world = dist.get_world_size() if dist.is_initialized() else 2
-    segs_of = {}
 
     def build(merged):
         t = tile(gm, inputs, opts.tiles)
@@ -186,16 +185,16 @@ def _bucketed(gm: fx.GraphModule, inputs, opts: HelixOptions):
             t.gm.graph.lint()
             t.gm.recompile()
             propagate_shapes(t.gm)
-        segs_of[id(t)] = round_robin(t) if opts.reorder else {}
+        if opts.reorder:
+            round_robin(t)
         return t
 
     def simulate(t):
         sec = analytical_seconds(t.gm, opts.flops_per_s, opts.bytes_per_s)
         return simulate_graph(t.gm, sec, link.rate_Bps, link.latency_s, world, trace=True)
-    cands = candidates(tile(gm, inputs, opts.tiles), opts.tiles)
-    t, rep = choose(build, simulate, cands, opts.memory_budget_bytes,
+    t, rep = choose(build, simulate, opts.tiles, opts.memory_budget_bytes,
                     exhaustive=opts.bucketing_search == "exhaustive")
-    return t, segs_of[id(t)], rep
+    return t, t.segments, rep
 
 
 def _simulated_peak(gm: fx.GraphModule) -> float:

@@ -206,12 +206,12 @@ def _dominates(a: _State, b: _State) -> bool:
 
 
 def choose(build: Callable[[Tuple[str, ...]], Tiled], simulate: Callable[[Tiled], object],
-           cands: List[str], budget: Optional[float],
+           tiles: int, budget: Optional[float],
            exhaustive: bool = False) -> Tuple[Tiled, BucketReport]:
     """The merge set with the least simulated makespan whose peak fits `budget`;
     `build(merged)` gives the scheduled graph, `simulate` its traced prediction
     (`helix.simulate.simulate_graph(..., trace=True)`)."""
-    rep = BucketReport(candidates=list(cands))
+    rep = BucketReport()
     made: Dict[Tuple[str, ...], _State] = {}
 
     def state(merged) -> _State:
@@ -225,19 +225,20 @@ def choose(build: Callable[[Tuple[str, ...]], Tiled], simulate: Callable[[Tiled]
                               "fits": budget is None or p.peak_bytes <= budget})
         return made[key]
 
+    root = state(())
+    cands = rep.candidates = candidates(root.t, tiles)
     if exhaustive:
         rep.search = f"exhaustive over {2 ** len(cands)} subsets"
         final = [state(m) for r in range(len(cands) + 1)
                  for m in itertools.combinations(cands, r)]
     else:
         # candidates in the order the unmerged program issues them
-        root = state(())
-        order = {n.name: i for i, n in enumerate(_call_nodes(root.t))}
-        first = {}
-        for n in _call_nodes(root.t):
-            first.setdefault(root.t.origin.get(n.name), order[n.name])
+        first: Dict[str, int] = {}
+        for i, n in enumerate(_call_nodes(root.t)):
+            first.setdefault(root.t.origin.get(n.name), i)
         cands = sorted(cands, key=lambda c: first[c])
         states = [root]
+        capped = False
         for i, c in enumerate(cands):
             grown = []
             for st in states:
@@ -250,10 +251,10 @@ def choose(build: Callable[[Tuple[str, ...]], Tiled], simulate: Callable[[Tiled]
                                                 (not _dominates(a, b) or id(b) < id(a))
                                                 for b in grown)]
             kept.sort(key=lambda s: (s.times[:1], s.peak_before))
+            capped = capped or len(kept) > MAX_STATES
             states = kept[:MAX_STATES]
             rep.states.append(len(states))
         final = states
-        capped = any(n == MAX_STATES for n in rep.states)
         rep.search = (f"dynamic program over {len(cands)} candidates in issue order: "
                       f"{len(made)} of {2 ** len(cands)} subsets simulated, at most "
                       f"{max(rep.states, default=1)} states kept per stage"

@@ -86,4 +86,5 @@ def round_robin(t: Tiled) -> Dict[str, int]:
         out.prepend(n)
     g.lint()
     t.gm.recompile()
-    return {s: len(segs[s]) for s in streams}
+    t.segments = {s: len(segs[s]) for s in streams}
+    return t.segments

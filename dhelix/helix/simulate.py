@@ -212,8 +212,8 @@ def overlap_slowdown(fast: List[dict], slow: List[dict]) -> Optional[float]:
     flights = [(e["t0"], e["link_done"]) for e in slow if e.get("link_done")]
     under = sum_alone = 0.0
     for e in slow:
-        if e.get("link_done") or e["op"] in ("_wait", "wait_tensor") or \
-                e["node"] not in alone:
+        if e.get("link_done") or e["op"] == "_wait" or e["op"].startswith("wait_tensor") \
+                or e["node"] not in alone:
             continue
         if any(a <= e["t0"] < b for a, b in flights):
             under += e["t1"] - e["t0"]

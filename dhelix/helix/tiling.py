@@ -323,6 +323,7 @@ class Tiled:
     shared_ops: int                 # original ops run once
     buckets: Dict[str, str] = field(default_factory=dict)   # original -> its bucket node
     concatenated: set = field(default_factory=set)    # nodes putting an output's tiles together
+    segments: Dict[int, int] = field(default_factory=dict)  # stream -> segments (reorder)
 
 
 def tile(gm: fx.GraphModule, inputs: Dict[str, object], k: int) -> Tiled:
