@@ -9,9 +9,7 @@ intra-batch peer).
 """
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -19,30 +17,7 @@ from dhelix.planner.opspec import COMM
 from dhelix.planner.plan import Plan, comm_runs
 from dhelix.strand.program import LayerProgram, Op
 from dhelix.strand.state import StrandState
-
-
-@dataclass
-class TraceEvent:
-    strand: str
-    op: str
-    lane: str
-    start: float
-    end: float
-    step: int
-    label: str = ""
-
-
-@dataclass
-class Tracer:
-    """Collects one event per op: issue time to completion time on its lane."""
-    events: List[TraceEvent] = field(default_factory=list)
-    t0: float = field(default_factory=time.perf_counter)
-    step: int = 0
-
-    def reset(self):
-        self.events.clear()
-        self.t0 = time.perf_counter()
-        self.step = 0
+from dhelix.strand.trace import TraceEvent, Tracer  # noqa: F401  (imported from here)
 
 
 Segment = Tuple[StrandState, Sequence[Op]]
@@ -66,28 +41,20 @@ def execute_step(a: Optional[Segment], b: Optional[Segment],
             S, ops = queues[cur]
             op = ops[pos[cur]]
             pos[cur] += 1
-            w0 = S.waited
-            t = time.perf_counter()
+            mark = tracer.begin(S) if tracer is not None else None
             op.run(S)
             if op.spec.kind == COMM:
-                issued_comm.append((S, op, t, S.pending[-1] if S.pending else None))
+                issued_comm.append((S, op, mark, S.pending[-1] if S.pending else None))
                 if len(queues) == 2:
                     cur = 1 - cur
-            elif tracer is not None:
-                # the op's own work starts once the comm results it read had arrived
-                start = t + (S.waited - w0)
-                tracer.events.append(TraceEvent(S.strand, op.name, "compute",
-                                                start - tracer.t0,
-                                                time.perf_counter() - tracer.t0, tracer.step,
-                                                S.label))
+            elif tracer is not None:     # timed from when the comm results it read arrived
+                tracer.compute(S, op, mark)
         # barrier
-        for S, op, t, p in issued_comm:
+        for S, op, mark, p in issued_comm:
             if p is not None:
                 S.lanes.resolve(p)
             if tracer is not None:
-                end = p.t_done if p is not None and p.t_done else time.perf_counter()
-                tracer.events.append(TraceEvent(S.strand, op.name, op.spec.lane, t - tracer.t0,
-                                                end - tracer.t0, tracer.step, S.label))
+                tracer.comm(S, op, mark, p)
         for S, _ in queues:
             S.barrier()
     if tracer is not None:
