@@ -29,7 +29,6 @@ class LayerHarness:
         from megatron.core.transformer.spec_utils import build_module
 
         from dhelix.compat import cpu as cpu_compat
-        from dhelix.megatron.spec import get_dhelix_layer_spec
         from dhelix.models.gpt import transformer_config
         from dhelix.models.spec import layer_spec
         from dhelix.strand.layer import DHelixLayer
@@ -48,8 +47,9 @@ class LayerHarness:
         self.device = device or torch.device("cpu")
         self.cfg = transformer_config(m, tp=tp, sequence_parallel=sp, bf16=bf16, ep=ep, etp=etp,
                                       cp=cp)
-        spec = layer_spec(DHelixLayer, m.num_experts, cp) if m.num_experts or cp > 1 else \
-            get_dhelix_layer_spec()
+        # the spec `dhelix train` builds its layers from (train/build.py), on every device:
+        # the times are those of the layer that trains
+        spec = layer_spec(DHelixLayer, m.num_experts, cp)
         self.layer = build_module(spec, config=self.cfg, layer_number=1).to(self.device)
         self.program = self.layer.program
         self.ops = self.program.layer_ops(seq, mbs)
@@ -124,14 +124,15 @@ class LayerHarness:
         """Median duration of every compute op inside whole layer steps (the trivial plan,
         α's forward then β's backward, as `time_plans` runs plans): (forward, backward)
         dicts of seconds, slowest rank. A compute op's time is counted from when the comm
-        results it reads had arrived."""
-        from dhelix.strand.executor import Tracer
+        results it reads had arrived. On CUDA the ops are timed by CUDA events on their
+        streams (the host clock would time kernel launches)."""
+        from dhelix.strand.trace import Tracer, clock_for
         got: dict = {}
         for r in range(warmup + repeats):
             Sb = self.bwd_state(0)
             Sa = self.fwd_state(0)
             self._sync()
-            tracer = Tracer()
+            tracer = Tracer(clock=clock_for(self.lanes))
             run_layer_step(self._trivial, fwd=(self.program, Sa), bwd=(self.program, Sb),
                            tracer=tracer)
             self._sync_device()
