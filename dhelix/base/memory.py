@@ -1,14 +1,19 @@
-"""Peak activation memory, measured the same way for baseline and DHelix.
+"""Peak activation memory, measured the same way for baseline and DHelix, on both devices.
 
-On GPU: the CUDA allocator's peak. On CPU: saved-tensor accounting — every tensor that
-autograd saves for backward, and every tensor a DHelix op keeps for its backward op, is
-counted once per storage while it is alive; the peak of that sum is reported.
+A step's activation peak is (peak allocated − allocated at the step's start), the peak
+reset when the step starts, so weights, gradient buffers and optimizer states that live
+across steps do not count. On GPU "allocated" is the CUDA allocator's (activations and
+the step's temporaries: the allocator cannot tell them apart). On CPU it is
+saved-tensor accounting — every tensor that autograd saves for backward, and every
+tensor a DHelix op keeps for its backward op, is counted once per storage while it is
+alive — which counts activations only to begin with.
 """
 from __future__ import annotations
 
 import contextlib
 import resource
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -72,12 +77,39 @@ class _Token:
 METER = ActivationMeter()
 
 
-def peak_memory_bytes(device: torch.device) -> dict:
-    """{'activations': peak saved activation bytes, 'process_rss': peak RSS bytes}."""
-    if device.type == "cuda":
-        return {"activations": int(torch.cuda.max_memory_allocated(device)),
-                "process_rss": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
-                "method": "cuda max_memory_allocated"}
-    return {"activations": int(METER.peak),
-            "process_rss": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024,
-            "method": "saved-tensor accounting"}
+@dataclass
+class StepMemory:
+    """The memory of one training step on `device`: `begin()` when it starts, then
+    `activation_peak()` after its forward-backward and `total_peak()` at its end."""
+    device: torch.device
+    start_bytes: int = 0
+
+    @property
+    def method(self) -> str:
+        return ("cuda allocator: max_memory_allocated − memory_allocated at the step's start"
+                if self.device.type == "cuda" else "saved-tensor accounting")
+
+    def begin(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = int(torch.cuda.memory_allocated(self.device))
+        else:
+            METER.reset_peak()
+            self.start_bytes = int(METER.current)
+
+    def activation_peak(self) -> int:
+        """Bytes the step added at its peak so far, over what it started with."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device)) - self.start_bytes
+        return int(METER.peak) - self.start_bytes
+
+    def total_peak(self) -> int:
+        """Everything: on CUDA the allocator's peak since `begin` (weights, grads, optimizer
+        states, activations); on CPU the process's peak RSS (it cannot be reset)."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

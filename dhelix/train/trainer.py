@@ -132,7 +132,7 @@ def train(cfg: TrainConfig) -> dict:
     """Run training on the current process group; returns the result dict (all ranks)."""
     from dhelix.train.data import make_batches
     from dhelix.train.dist import init_distributed
-    from dhelix.base.memory import METER, peak_memory_bytes
+    from dhelix.base.memory import METER, StepMemory, peak_rss_bytes
 
     m = model_of(cfg)
     info = init_distributed()
@@ -176,21 +176,25 @@ def train(cfg: TrainConfig) -> dict:
               f"{'bf16' if cfg.bf16 else 'fp32'} schedule={schedule.name} "
               f"backend={info.backend}", flush=True)
     losses, times, grad_sums, idle = [], [], [], []
-    METER.reset_peak()
+    memory = StepMemory(info.device)
+    act_peaks, total_peaks = [], []      # per iteration, bytes
     from dhelix.train.dist import report_progress
     for it in range(cfg.train_iters):
         report_progress(it + 1)
         t0, c0 = time.perf_counter(), time.thread_time()
         for c in chunks:
             c.zero_grad_buffer()
+        memory.begin()          # what this step's forward-backward adds to what lives on
         with METER.autograd():
             out = schedule.forward_backward(
                 forward_step_func=forward_step, data_iterator=data, model=model,
                 num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
                 micro_batch_size=cfg.micro_batch_size, forward_only=False)
+        act_peaks.append(memory.activation_peak())   # before the optimizer's temporaries
         if cfg.checksums:
             grad_sums.append(checksums(chunks, "main_grad"))
         optimizer.step()
+        total_peaks.append(memory.total_peak())
         loss = _average_loss([o["lm loss"].item() for o in out], info.device, loss_rank)
         dt = time.perf_counter() - t0
         # this thread's CPU time is the stage's work (one intra-op thread; comm runs in
@@ -201,10 +205,9 @@ def train(cfg: TrainConfig) -> dict:
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at iteration {it + 1}")
         if rank0 and (it + 1) % cfg.log_interval == 0:
-            peak = peak_memory_bytes(info.device)["activations"]
             print(f" iter {it + 1:4d}/{cfg.train_iters} | loss {loss:.6f} | "
                   f"{tokens_per_step / dt:9.0f} tokens/s | {dt * 1000:7.1f} ms | "
-                  f"peak act. {peak / 2**20:.2f} MiB", flush=True)
+                  f"peak act. {act_peaks[-1] / 2**20:.2f} MiB", flush=True)
     eval_loss = None
     if cfg.eval_iters:
         for c in chunks:
@@ -229,8 +232,9 @@ def train(cfg: TrainConfig) -> dict:
         from dhelix.train.checkpoint import save
         save(chunks, cfg.save, layout.tp)
     steady = (times[1:] if len(times) > 1 else times) or [float("nan")]
-    mem = peak_memory_bytes(info.device)
-    per_stage = _per_stage(mem["activations"], info.device) if layout.pp > 1 else None
+    act_peak = max(act_peaks, default=0)
+    total_peak = max(total_peaks, default=0)
+    per_stage = _per_stage(act_peak, info.device) if layout.pp > 1 else None
     steady_idle = statistics.median(idle[1:] if len(idle) > 1 else idle) if idle else None
     idle_per_stage = (_per_stage(steady_idle, info.device, torch.float64)
                       if layout.pp > 1 and idle else None)
@@ -243,12 +247,15 @@ def train(cfg: TrainConfig) -> dict:
         "eval_loss": eval_loss,
         "step_times_s": times,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
-        "peak_memory_bytes": mem["activations"],
+        # activations: the max over iterations of (peak − allocated at the step's start)
+        "peak_memory_bytes": act_peak,
+        "peak_memory_bytes_per_iter": act_peaks,
         "peak_memory_bytes_per_stage": per_stage,
+        "peak_memory_total_bytes": total_peak,
         "idle_share": steady_idle,
         "idle_share_per_stage": idle_per_stage,
-        "peak_rss_bytes": mem["process_rss"],
-        "memory_method": mem["method"],
+        "peak_rss_bytes": peak_rss_bytes(),
+        "memory_method": memory.method,
     }
     if cfg.checksums:
         result["grad_checksums"] = grad_sums
@@ -256,7 +263,8 @@ def train(cfg: TrainConfig) -> dict:
     if rank0 and losses:
         print(f"dhelix train: done | final loss {losses[-1]:.6f} | "
               f"{result['tokens_per_s']:.0f} tokens/s | peak activations "
-              f"{mem['activations'] / 2**20:.2f} MiB ({mem['method']})", flush=True)
+              f"{act_peak / 2**20:.2f} MiB ({memory.method}), total "
+              f"{total_peak / 2**20:.2f} MiB", flush=True)
     if cfg.json and info.rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(cfg.json)), exist_ok=True)
         with open(cfg.json, "w") as f:
