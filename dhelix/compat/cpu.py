@@ -3,7 +3,9 @@
 Applied only when CUDA is absent, by `apply()`; nothing else in DHelix patches megatron.
   (c) megatron allocates gather / all-to-all / grad buffers on `torch.cuda.current_device()`:
       inside those modules only, `torch.cuda.current_device()` answers "cpu".
-  (f) the MoE all-to-all dispatcher's side stream (see `_NoStream`).
+  (f) the MoE all-to-all dispatcher's side stream (see `_NoStream`); with
+      DHELIX_LANES=strict its device-to-host copies stay poison until their event is
+      synchronized, as on CUDA (`_D2HEvent`).
   (g) the MoE router's GEMM without Transformer Engine (`_moe_router_without_te`).
   (h) context parallel: the RoPE table's slice for this CP rank (`_cp_rope_slice_on_host`).
   (d) the model-parallel RNG tracker keeps CUDA generator states: a tracker with the same
@@ -14,8 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 
 import torch
+
+from dhelix.base.strict import strict
 
 _APPLIED = False
 
@@ -36,9 +41,58 @@ _BUFFER_MODULES = (
 )
 
 
+# (f) strict: what a host count copied from the device holds until its copy is known
+# done: negative, so any split of it fails; not int64's min, which torch's SymInt takes
+# for a symbolic value ("expected to contain only concrete integers")
+D2H_POISON = -(1 << 40)
+
+_d2h_copies: list = []              # made on the dtoh stream, no event recorded after yet
+_d2h_events: "weakref.WeakSet" = weakref.WeakSet()     # recorded, not yet synchronized
+
+
+def _poison(dtype):
+    if dtype == torch.bool:
+        return None                 # nothing reads as wrong: delivered at once
+    if dtype.is_floating_point:
+        return float("nan")
+    return D2H_POISON if dtype == torch.int64 else torch.iinfo(dtype).min
+
+
+def _d2h_copy(t: torch.Tensor) -> torch.Tensor:
+    """(f) strict: a non-blocking device-to-host copy of `t`. On CUDA the host buffer
+    holds the values only once the copy's stream has reached them, i.e. after the event
+    recorded behind the copy is synchronized; until then it reads as poison here."""
+    value = t.detach().clone()
+    bad = _poison(value.dtype)
+    if bad is None:
+        return value
+    host = torch.full_like(value, bad)
+    _d2h_copies.append((host, value))
+    return host
+
+
+class _D2HEvent:
+    """(f) strict: the event recorded after device-to-host copies. `synchronize()`
+    delivers their values in place (megatron keeps the arrays and tensors it got)."""
+
+    def __init__(self, copies):
+        self._copies = copies
+        _d2h_events.add(self)
+
+    def query(self):
+        return not self._copies
+
+    def synchronize(self):
+        for host, value in self._copies:
+            host.copy_(value)
+        self._copies = []
+        _d2h_events.discard(self)
+
+
 class _NoStream:
     """(f) The MoE all-to-all dispatcher copies routing counts to the host on a side CUDA
-    stream; on CPU there is one stream: this one, which synchronises trivially."""
+    stream; on CPU there is one stream: this one, which synchronises trivially — except
+    in strict mode, where copies made on it wait for their event (`_D2HEvent`)."""
 
     def __init__(self, *a, **k):
         pass
@@ -47,15 +101,28 @@ class _NoStream:
         pass
 
     def synchronize(self):
-        pass
+        for ev in list(_d2h_events):
+            ev.synchronize()
+        for host, value in _take_d2h_copies():
+            host.copy_(value)
 
     def record_event(self):
+        copies = _take_d2h_copies()
+        if copies:
+            return _D2HEvent(copies)
         return self                 # an event that is always complete: synchronize() no-op
 
     def __eq__(self, other):
         return isinstance(other, _NoStream)
 
     __hash__ = object.__hash__
+
+
+def _take_d2h_copies() -> list:
+    copies = list(_d2h_copies)
+    _d2h_copies.clear()
+    return copies
+
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 
@@ -168,6 +235,10 @@ def _moe_split_sizes_on_host() -> None:
     orig = moe_utils.maybe_move_tensor_to_cpu
 
     def to_host(tensor, as_numpy=False, record_stream=False):
+        # called only at the dispatcher's dtoh point, on its dtoh stream: in strict mode
+        # the host copy is poison until the event recorded after it is synchronized
+        if strict() and torch.is_tensor(tensor) and not tensor.is_cuda:
+            tensor = _d2h_copy(tensor)
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.numpy()
         return orig(tensor, as_numpy=as_numpy, record_stream=record_stream)
