@@ -12,6 +12,13 @@ The dispatcher keeps a micro-batch's routing (splits, permutation) on itself bet
 those calls. One strand runs a layer's forward at a time, but the other strand's forward
 of the same layer may come before this one's backward, so what the later ops need is
 snapshotted into the strand's state after permute and put back before each later call.
+
+The dispatcher copies its counts (split sizes, tokens per expert) to the host without
+blocking at its dtoh point, inside `dispatch_preprocess`, and synchronizes the event it
+records after them (`d2h_event`) at its sync point: with EP > 1 that is
+`before_ep_alltoall`, inside `token_dispatch`, which DHelix replaces by `a2a_dispatch`;
+so `a2a_dispatch` synchronizes it (`_d2h_synchronize`) before any count is read. The
+event is part of the strand's snapshot, since the other strand's permute records its own.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from typing import Callable, Dict
 import torch
 import torch.distributed as dist
 
+from dhelix.compat.cpu import D2H_POISON
 from dhelix.planner.chains import layer_chains
 from dhelix.strand.program import LayerProgram, _traced, _wgrad, mlp_activation
 
@@ -27,7 +35,7 @@ from dhelix.strand.program import LayerProgram, _traced, _wgrad, mlp_activation
 _ROUTING = ("hidden_shape", "probs", "routing_map", "tokens_per_expert",
             "hidden_shape_before_permute", "reversed_local_input_permutation_mapping",
             "input_splits", "output_splits", "output_splits_tp",
-            "num_global_tokens_per_local_expert", "num_out_tokens")
+            "num_global_tokens_per_local_expert", "num_out_tokens", "d2h_event")
 
 
 class MoEProgram(LayerProgram):
@@ -121,14 +129,40 @@ class MoEProgram(LayerProgram):
         for k, v in S.get("moe_routing").items():
             setattr(self.disp, k, v)
 
+    def _d2h_synchronize(self, S, point):
+        """megatron's `_maybe_dtoh_and_synchronize(point)` for this strand's host copies:
+        wait for the event recorded after them if `point` is the dispatcher's sync point.
+        Sync points inside `dispatch_preprocess` / `dispatch_postprocess` megatron keeps
+        itself (on the event `_restore` puts back); this one DHelix took apart."""
+        ev = S.get("moe_routing").get("d2h_event")
+        if ev is not None and getattr(self.disp, "cuda_sync_point", None) == point:
+            ev.synchronize()
+
+    @staticmethod
+    def _host_counts(op, what, values):
+        """Counts the dispatcher copied to the host, as ints; its strict-mode poison
+        (compat/cpu.py) means they were read before the copy was known done."""
+        values = [int(v) for v in values]
+        if D2H_POISON in values:
+            raise RuntimeError(
+                f"{op}: {what} read on the host before the device-to-host copy's event "
+                f"(the MoE dispatcher's d2h_event) was synchronized: they hold the "
+                f"DHELIX_LANES=strict poison {D2H_POISON} ({values})")
+        return values
+
     def _a2a(self, S, op, key, out_splits, in_splits):
         if self.ep == 1:
             return S.get(key)
-        return S.lanes.all_to_all(op, S.get(key), [int(v) for v in out_splits],
-                                  [int(v) for v in in_splits], self.ep_group, self.ep_lane)
+        return S.lanes.all_to_all(op, S.get(key),
+                                  self._host_counts(op, "all-to-all split sizes", out_splits),
+                                  self._host_counts(op, "all-to-all split sizes", in_splits),
+                                  self.ep_group, self.ep_lane)
 
-    def _split(self, S, t):
-        return list(torch.split(t, S.get("moe_tpe"))) if len(self.w1) > 1 else [t]
+    def _split(self, S, t, op):
+        if len(self.w1) == 1:
+            return [t]
+        return list(torch.split(t, self._host_counts(op, "tokens_per_expert",
+                                                     S.get("moe_tpe"))))
 
     # ---- forward ---------------------------------------------------------------------------
     def _router(self, S):
@@ -153,6 +187,7 @@ class MoEProgram(LayerProgram):
             S.drop("ln2")
 
     def _a2a_dispatch(self, S):
+        self._d2h_synchronize(S, "before_ep_alltoall")      # token_dispatch's, EP > 1
         r = S.get("moe_routing")
         S.put("moe_gtokens", self._a2a(S, "a2a_dispatch", "moe_tokens", r["output_splits"],
                                        r["input_splits"]))
@@ -168,15 +203,21 @@ class MoEProgram(LayerProgram):
             tokens, tpe, probs = self.disp.dispatch_postprocess(t, p)
             out["tpe"] = tpe
             return tokens, probs
+        # tokens_per_expert (and the counts the sort reads) are host copies too. With
+        # EP > 1 the sync point stays before_ep_alltoall even with several local experts,
+        # so dispatch_postprocess does not synchronize: this strand's a2a_dispatch, an
+        # earlier op, did. With EP = 1 dispatch_postprocess does (before_permutation_2 or
+        # before_finish), on this strand's event, which _restore put back.
         tokens, probs = self._graph(S, ("moe_gtokens", "moe_gprobs"), "g:sort", fn)
         tpe = out["tpe"]
-        S.put("moe_tpe", tpe.tolist() if torch.is_tensor(tpe) else list(tpe))
+        S.put("moe_tpe", self._host_counts(
+            "sort_chunks", "tokens_per_expert", tpe.tolist() if torch.is_tensor(tpe) else tpe))
         S.put("moe_etokens", tokens)
         S.put("moe_eprobs", probs)
         S.drop("moe_gtokens", "moe_gprobs")
 
     def _experts_fc1(self, S):
-        xs = self._split(S, S.get("moe_etokens"))
+        xs = self._split(S, S.get("moe_etokens"), "experts_fc1")
         S.put("moe_fc1", [torch.matmul(x, w.t()) for x, w in zip(xs, self.w1)])
 
     def _act_one(self, x, probs):
@@ -189,7 +230,7 @@ class MoEProgram(LayerProgram):
         n = len(self.w1)
 
         def fn(*a):
-            ps = list(torch.split(a[n], S.get("moe_tpe"))) if n > 1 else [a[n]]
+            ps = self._split(S, a[n], "experts_act")
             return tuple(self._act_one(x, p) for x, p in zip(a[:n], ps))
         acts = self._graph(S, [*S.get("moe_fc1"), "moe_eprobs"], "g:experts_act", fn)
         S.put("moe_act", list(acts))
@@ -243,7 +284,7 @@ class MoEProgram(LayerProgram):
 
     def _unsort_chunks_b(self, S):
         (g,) = self._graph_grad(S, "g:unsort", [S.get("g_moe_cout")])
-        S.put("g_moe_eout", self._split(S, g))
+        S.put("g_moe_eout", self._split(S, g, "unsort_chunks_b"))
         S.drop("g_moe_cout")
 
     def _experts_fc2_dgrad(self, S):
@@ -266,7 +307,7 @@ class MoEProgram(LayerProgram):
         S.consume("g_moe_fc1", "experts_fc1_dgrad", ("experts_fc1_dgrad", "experts_fc1_wgrad"))
 
     def _experts_fc1_wgrad(self, S):
-        xs = self._split(S, S.get("moe_etokens"))
+        xs = self._split(S, S.get("moe_etokens"), "experts_fc1_wgrad")
         for g, x, w in zip(S.get("g_moe_fc1"), xs, self.w1):
             S.acc_grad(w, _wgrad(g, x)[1])
         S.consume("g_moe_fc1", "experts_fc1_wgrad", ("experts_fc1_dgrad", "experts_fc1_wgrad"))
