@@ -105,3 +105,101 @@ def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=F
     return {"worst": worst, "plans": len(all_plans), "state_dict_same": state_dict_same,
             "sharded_same": sharded_same, "n_grads": len(grads_ref),
             "a2a": [o.name for o in ops.forward + ops.backward if o.collective == "all_to_all"]}
+
+
+# ---- DHELIX_LANES=strict: the dispatcher's device-to-host copies (tests/test_strict_moe.py)
+
+def gloo_lanes_until_strict_lands():
+    """make_lanes under DHELIX_LANES=strict builds StrictLanes (dhelix/strand/strict.py);
+    until that module lands, the gloo lanes. The compat layer's strict device-to-host
+    copies read the variable themselves, so they are strict either way."""
+    import importlib.util
+
+    from dhelix.strand import lanes
+    if importlib.util.find_spec("dhelix.strand.strict") is None:
+        lanes.make_lanes = lambda device=None: lanes.CpuLanes()
+
+
+def without_d2h_sync(variant):
+    """The old behaviour back, for a test that the strict check can fail: "none" never
+    synchronizes the dispatcher's d2h event (DHelix skipped megatron's token_dispatch
+    and its sync point); "dispatcher" synchronizes the dispatcher's current event, not
+    the strand's own (the other strand's permute may have recorded it); "unsnapshotted"
+    leaves the event out of the strand's snapshot, so megatron's own sync point inside
+    dispatch_postprocess (EP=1) waits for whichever event the dispatcher holds."""
+    from dhelix.strand import moe
+    if variant == "none":
+        moe.MoEProgram._d2h_synchronize = lambda self, S, point: None
+    elif variant == "dispatcher":
+        moe.MoEProgram._d2h_synchronize = \
+            lambda self, S, point: self.disp.d2h_event.synchronize()
+    elif variant == "unsnapshotted":
+        moe._ROUTING = tuple(k for k in moe._ROUTING if k != "d2h_event")
+    else:
+        raise ValueError(variant)
+
+
+def strict_moe_layer_matches(broken=None, **kw):
+    """`moe_layer_matches` under DHELIX_LANES=strict; with `broken` (a `without_d2h_sync`
+    variant) the error it raises, as text."""
+    import os
+    assert os.environ.get("DHELIX_LANES") == "strict"
+    gloo_lanes_until_strict_lands()
+    if broken is None:
+        return moe_layer_matches(**kw)
+    without_d2h_sync(broken)
+    try:
+        moe_layer_matches(**kw)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def interleaved_moe_forwards(broken=None, tp=1, ep=2, seq=16, mbs=2, seed=5):
+    """Two strands' forwards of one DHelix MoE layer interleaved at the permute: α up to
+    its permute, β up to its permute (the dispatcher's routing and d2h event now β's),
+    then the rest of α, then the rest of β. Returns each output's largest relative
+    difference to megatron's MoE layer on the same input; with `broken` (a
+    `without_d2h_sync` variant) the error raised, as text."""
+    import torch
+    from layer_fns import inputs
+
+    from dhelix.planner.plan import comm_runs
+    from dhelix.strand.executor import execute_step
+    from dhelix.strand.lanes import make_lanes
+    from dhelix.strand.state import StrandState
+    gloo_lanes_until_strict_lands()
+    if broken is not None:
+        without_d2h_sync(broken)
+    ref, dh, cfg, rope = setup_moe_layer(tp, ep, seq=seq, mbs=mbs)
+    sp = tp > 1
+    xs = {"α": inputs(cfg, seq, mbs, seed, sp), "β": inputs(cfg, seq, mbs, seed + 1, sp)}
+    with torch.no_grad():
+        want = {k: ref(x, attention_mask=None, rotary_pos_emb=rope)[0] for k, x in xs.items()}
+    prog = dh.program
+    lanes = make_lanes()
+    runs = comm_runs([o.spec for o in prog.forward_ops])
+    cut = next(i for i, r in enumerate(runs) if "permute" in r) + 1
+    states = {}
+    for k, x in xs.items():
+        S = StrandState(lanes, k)
+        S.meta = {"attention_mask": None, "rotary_pos_emb": rope}
+        S.put("x", x)
+        states[k] = S
+
+    def run(k, part):
+        for r in part:
+            execute_step((states[k], [prog.fwd[n] for n in r]), None)
+    try:
+        run("α", runs[:cut])
+        run("β", runs[:cut])
+        run("α", runs[cut:])
+        run("β", runs[cut:])
+    except RuntimeError as e:
+        if broken is None:
+            raise
+        return str(e)
+    if broken is not None:
+        return None
+    return {k: float((states[k].get("out") - want[k]).abs().max() / want[k].abs().max())
+            for k in xs}
