@@ -5,6 +5,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite runs on strict lanes (dhelix/strand/strict.py): gloo kept to CUDA's and NCCL's
+# rules, so a bug only a GPU would show fails here. Ranks inherit it; the tests of the
+# plain gloo lanes set DHELIX_LANES=cpu themselves.
+os.environ.setdefault("DHELIX_LANES", "strict")
+os.environ.setdefault("DHELIX_STRICT_TIMEOUT", "60")
 
 
 @pytest.fixture

@@ -6,16 +6,17 @@ its steps from `order.folded_order` — a forward work item of one micro-batch b
 backward item of another, co-executed layer by layer by the layer plan exactly as
 without a pipeline (`schedules.dhelix.co_step`), or one item alone. Between steps the
 pipeline traffic moves as explicit comm ops on the lane of the pipeline group (`intra`
-or `inter` by node membership): each step's outputs are sent asynchronously (they travel
-while the next step computes) and the next step's inputs are received ahead, before the
-current step runs. At the fold's turn (the last stage) the front chunk's output becomes
+or `inter` by node membership): after each step, one batch carries the step's outputs
+to both neighbours and posts the next step's receives (as megatron's P2P does; on NCCL
+lone blocking sends and receives in one lane stream would deadlock), and it travels
+while the stage waits for the next step's inputs. At the fold's turn (the last stage) the front chunk's output becomes
 the back chunk's input, and the back chunk's input grad the front chunk's output grad,
 with no P2P. Embedding and loss are both on stage 0.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -50,7 +51,11 @@ class FoldedSchedule(DHelixSchedule):
 
 
 class _Pipe:
-    """This stage's pipeline traffic: async sends, receives posted ahead."""
+    """This stage's pipeline traffic. Sends and receives are queued and go out as one
+    batch a step (`flush`): the step's sends with the next step's receives, to both
+    neighbours, as megatron's P2P does. On NCCL a lone blocking send or receive holds the
+    lane stream until its peer's matching op runs; posted one by one, step k+1's receives
+    ahead of step k's sends deadlock two stages that each wait for the other's."""
 
     def __init__(self, lanes, shape, dtype, device):
         import torch.distributed as dist
@@ -61,29 +66,45 @@ class _Pipe:
         self.ranks = dist.get_process_group_ranks(self.group)
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.lane = lane_of_group(self.group)
-        self.sends = []
-        self.posted: Dict[Tuple[int, int, int], object] = {}
+        self.to_send: List[tuple] = []        # (tensor, peer, tag) of the open batch
+        self.to_recv: List[tuple] = []        # (buffer, peer, tag) of the open batch
+        self.keys: List[Tuple[int, int, int]] = []
+        self.batches = []                     # launched batches' Pendings
+        self.posted: Dict[Tuple[int, int, int], tuple] = {}   # key -> (Pending|None, i)
 
     def send(self, t: torch.Tensor, to_stage: int, m: int, chunk: int, kind: int):
-        self.sends.append(self.lanes.send(f"p2p_send_{'act' if kind == ACT else 'grad'}",
-                                          t.detach(), self.ranks[to_stage], self.group,
-                                          self.lane, _tag(m, chunk, kind)))
+        self.to_send.append((t.detach(), self.ranks[to_stage], _tag(m, chunk, kind)))
 
     def post_recv(self, from_stage: int, m: int, chunk: int, kind: int):
         key = (m, chunk, kind)
         if key not in self.posted:
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.posted[key] = self.lanes.recv(
-                f"p2p_recv_{'act' if kind == ACT else 'grad'}", buf,
-                self.ranks[from_stage], self.group, self.lane, _tag(m, chunk, kind))
+            self.to_recv.append((buf, self.ranks[from_stage], _tag(m, chunk, kind)))
+            self.keys.append(key)
+            self.posted[key] = (None, len(self.to_recv) - 1)
+
+    def flush(self):
+        """Launch the open batch (in the order every rank posts: NCCL matches by it)."""
+        if not self.to_send and not self.to_recv:
+            return
+        p = self.lanes.p2p("p2p", self.to_send, self.to_recv, self.group, self.lane)
+        for i, key in enumerate(self.keys):
+            self.posted[key] = (p, i)
+        self.batches.append(p)
+        self.to_send, self.to_recv, self.keys = [], [], []
 
     def take(self, m: int, chunk: int, kind: int) -> torch.Tensor:
-        return self.lanes.resolve(self.posted.pop((m, chunk, kind)))
+        key = (m, chunk, kind)
+        if self.posted[key][0] is None:       # still in the open batch
+            self.flush()
+        p, i = self.posted.pop(key)
+        return self.lanes.resolve(p)[i]
 
     def drain(self):
-        for p in self.sends:
+        self.flush()
+        for p in self.batches:
             self.lanes.resolve(p)
-        self.sends.clear()
+        self.batches.clear()
 
 
 def forward_backward_folded(*, forward_step_func, data_iterator, model, num_microbatches,
@@ -181,6 +202,7 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
     with no_sync():      # grads are reduced once, by finalize, after the last step
         if my_steps:
             post_inputs(my_steps[0])
+            pipe.flush()
         for k, step in enumerate(my_steps):
             walk = None
             if step.bwd:
@@ -195,14 +217,15 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
                     x = x.detach().requires_grad_()
                 forward = _forward(steps[cf], mf, batches[mf], x,
                                    is_last=(cf == 1 and g == 0))
-            if k + 1 < len(my_steps):
-                post_inputs(my_steps[k + 1])          # the next step's inputs travel now
             out = co_step(plans, tracer, forward, walk)
             if step.fwd:
                 records[(cf, mf)] = out
                 deliver(out.output, ACT, cf, mf)      # stage 0's F1 output: the loss, kept
             if walk is not None:
                 deliver(walk.input_grad, GRAD, cb, mb)
+            if k + 1 < len(my_steps):
+                post_inputs(my_steps[k + 1])
+            pipe.flush()              # this step's sends with the next step's receives
         pipe.drain()
     tokens = steps[0].tokens + steps[1].tokens
     if config.finalize_model_grads_func is not None:

@@ -3,35 +3,42 @@
 Ops run on three lanes: `compute`, `intra` (collectives inside a node) and `inter`
 (collectives across nodes). A comm op returns a `Pending` at once; reading it later
 (`resolve`) makes the reader wait for it; `barrier` waits for all of a step's pendings.
-Two backends share this interface:
+A comm op names the tensors it reads (`inputs`): the lane keeps them alive until the op
+is waited for, since on CUDA the lane's stream reads them later than the host issued it.
+Three backends share this interface:
   - CpuLanes: compute runs in the calling thread; a comm is an async gloo work.
   - CudaLanes: compute on the current stream; one stream per comm lane, events between.
-Everything CUDA- or gloo-specific in DHelix lives here.
+  - StrictLanes (`strand/strict.py`, DHELIX_LANES=strict): gloo run by CUDA's and NCCL's
+    rules, so that the bugs only a GPU would show fail on CPU.
+Everything CUDA- or gloo-specific in DHelix lives here and in strict.py.
 """
 from __future__ import annotations
 
 import abc
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from dhelix.base.nodes import node_ids
 
+# a point-to-point message: (tensor, global rank of the peer, tag)
+Message = Tuple[torch.Tensor, int, int]
+
 
 class Pending:
     """The future result of a comm op."""
-    __slots__ = ("op", "out", "handle", "done", "t_done", "keep")
+    __slots__ = ("op", "out", "handle", "done", "t_done", "keep", "__weakref__")
 
-    def __init__(self, op: str, out: torch.Tensor, handle):
+    def __init__(self, op: str, out, handle, keep: Tuple[torch.Tensor, ...] = ()):
         self.op, self.out, self.handle, self.done = op, out, handle, False
-        self.keep = None     # a tensor being sent: alive until the comm is waited for
+        self.keep = keep     # the tensors the comm reads: alive until it is waited for
         self.t_done = None   # when a reader first had the result (host clock), for traces
 
 
 class _AllWorks:
-    """Several works waited as one (a ring step's send and receive)."""
+    """Several works waited as one (a batch of sends and receives)."""
 
     def __init__(self, works):
         self.works = works
@@ -50,68 +57,91 @@ def lane_of_group(group) -> str:
 
 
 class Lanes(abc.ABC):
-    """Backend-neutral part: the collectives DHelix ops use."""
+    """Backend-neutral part: the collectives DHelix ops use. Inputs are made contiguous
+    here, by the caller (on CUDA: on the compute stream that produced them), and handed
+    to the collective as arguments, never captured, so the backend decides their life."""
 
     def all_gather(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
         n = dist.get_world_size(group)
+        x = x.contiguous()
         out = x.new_empty((x.shape[0] * n,) + tuple(x.shape[1:]))
-        return self._launch(op, lane, out, lambda: dist.all_gather_into_tensor(
-            out, x.contiguous(), group=group, async_op=self.async_op))
+        return self._launch(op, lane, out, (x,), lambda x: dist.all_gather_into_tensor(
+            out, x, group=group, async_op=self.async_op), group)
 
     def reduce_scatter(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
         n = dist.get_world_size(group)
+        x = x.contiguous()
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-        return self._launch(op, lane, out, lambda: dist.reduce_scatter_tensor(
-            out, x.contiguous(), group=group, async_op=self.async_op))
+        return self._launch(op, lane, out, (x,), lambda x: dist.reduce_scatter_tensor(
+            out, x, group=group, async_op=self.async_op), group)
 
     def all_reduce(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
+        """In place on `x` (a contiguous copy if it is not): the caller hands it over."""
         out = x.contiguous().clone() if not x.is_contiguous() else x
-        return self._launch(op, lane, out, lambda: dist.all_reduce(
-            out, group=group, async_op=self.async_op))
+        return self._launch(op, lane, out, (), lambda: dist.all_reduce(
+            out, group=group, async_op=self.async_op), group)
 
     def all_to_all(self, op: str, x: torch.Tensor, out_splits, in_splits, group,
                    lane: str) -> Pending:
         """Rows of `x` in `in_splits` go to the group's ranks; `out_splits` rows come back
         (the MoE token exchange)."""
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        out_splits, in_splits = [int(v) for v in out_splits], [int(v) for v in in_splits]
+        if min(out_splits + in_splits, default=0) < 0:
+            raise ValueError(f"{op}: negative all-to-all split sizes {in_splits} -> "
+                             f"{out_splits}: read before their device-to-host copy ended?")
         x = x.contiguous()
-        return self._launch(op, lane, out, lambda: dist.all_to_all_single(
-            out, x, list(out_splits), list(in_splits), group=group, async_op=self.async_op))
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        return self._launch(op, lane, out, (x,), lambda x: dist.all_to_all_single(
+            out, x, out_splits, in_splits, group=group, async_op=self.async_op), group)
+
+    def p2p(self, op: str, sends: Sequence[Message], recvs: Sequence[Message], group,
+            lane: str) -> Pending:
+        """One batch of point-to-point sends and receives (NCCL's group call): they all
+        progress together, so two ranks that send to each other in one batch cannot
+        deadlock. The Pending's `out` is the list of receive buffers, in `recvs` order."""
+        sends = [(x.contiguous(), peer, tag) for x, peer, tag in sends]
+        outs = [buf for buf, _, _ in recvs]
+        return self._launch_p2p(op, lane, sends, list(recvs), group, outs)
 
     def send(self, op: str, x: torch.Tensor, peer: int, group, lane: str,
              tag: int = 0) -> Pending:
         """Point-to-point send to global rank `peer` (pipeline traffic)."""
-        x = x.contiguous()
-        fn = dist.isend if self.async_op else dist.send
-        return self._launch(op, lane, x, lambda: fn(x, dst=peer, group=group, tag=tag))
+        return self.p2p(op, [(x, peer, tag)], [], group, lane)
 
     def recv(self, op: str, out: torch.Tensor, peer: int, group, lane: str,
              tag: int = 0) -> Pending:
         """Point-to-point receive into `out` from global rank `peer`."""
-        fn = dist.irecv if self.async_op else dist.recv
-        return self._launch(op, lane, out, lambda: fn(out, src=peer, group=group, tag=tag))
+        p = self.p2p(op, [], [(out, peer, tag)], group, lane)
+        p.out = out
+        return p
 
     def ring_exchange(self, op: str, x: torch.Tensor, to: int, frm: int, group,
                       lane: str) -> Pending:
         """Send `x` to global rank `to` while receiving a tensor like it from `frm`: one
-        ring step. Both go in one batch (NCCL's group call), so a ring of blocking sends
-        cannot deadlock."""
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, to, group), dist.P2POp(dist.irecv, out, frm, group)]
-        p = self._launch(op, lane, out, lambda: _AllWorks(dist.batch_isend_irecv(ops)))
-        p.keep = x
+        ring step, as one batch."""
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        p = self.p2p(op, [(x, to, 0)], [(out, frm, 0)], group, lane)
+        p.out = out
         return p
 
     # backend hooks
     async_op = True
 
     @abc.abstractmethod
-    def _launch(self, op, lane, out, fn) -> Pending:
-        """Start the collective `fn` on `lane`; return its Pending."""
+    def _launch(self, op: str, lane: str, out, inputs: Tuple[torch.Tensor, ...],
+                fn: Callable, group) -> Pending:
+        """Start the collective `fn(*inputs)` on `lane`; return its Pending."""
+
+    def _launch_p2p(self, op, lane, sends, recvs, group, outs) -> Pending:
+        def fn(*xs):
+            ops = [dist.P2POp(dist.isend, x, peer, group, tag)
+                   for x, (_, peer, tag) in zip(xs, sends)]
+            ops += [dist.P2POp(dist.irecv, buf, peer, group, tag) for buf, peer, tag in recvs]
+            return _AllWorks(dist.batch_isend_irecv(ops))
+        return self._launch(op, lane, outs, tuple(x for x, _, _ in sends), fn, group)
 
     @abc.abstractmethod
-    def resolve(self, p: Pending) -> torch.Tensor:
+    def resolve(self, p: Pending):
         """Make the caller wait for `p`; return its result."""
 
     def barrier(self, pendings: List[Pending]) -> None:
@@ -123,13 +153,13 @@ class CpuLanes(Lanes):
     """gloo: a comm is an async work running on gloo's own threads."""
     name = "cpu"
 
-    def _launch(self, op, lane, out, fn):
-        return Pending(op, out, fn())
+    def _launch(self, op, lane, out, inputs, fn, group):
+        return Pending(op, out, fn(*inputs), keep=inputs)
 
     def resolve(self, p):
         if not p.done:
             p.handle.wait()
-            p.done = True
+            p.done, p.keep = True, ()
             p.t_done = time.perf_counter()
         return p.out
 
@@ -147,28 +177,42 @@ class CudaLanes(Lanes):
             self.streams[lane] = torch.cuda.Stream(priority=-1)
         return self.streams[lane]
 
-    def _launch(self, op, lane, out, fn):
+    def _launch(self, op, lane, out, inputs, fn, group):
         compute = torch.cuda.current_stream()
         s = self._stream(lane)
-        s.wait_stream(compute)          # the input was produced on the compute stream
+        s.wait_stream(compute)          # the inputs were produced on the compute stream
         with torch.cuda.stream(s):
-            h = fn()
+            h = fn(*inputs)
             if isinstance(h, _AllWorks):
                 h.wait()        # NCCL: makes the lane stream wait, not the host
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(enable_timing=True)   # the trace's device clock reads it
             ev.record(s)
-        out.record_stream(s)
-        return Pending(op, out, ev)
+        # The allocator may hand a block freed on the compute stream to the compute
+        # stream's next op at once: the lane stream's use of the inputs (NCCL keeps no
+        # reference to them since torch 2.8) and of the outputs must be recorded.
+        for t in tuple(inputs) + tuple(out if isinstance(out, list) else [out]):
+            t.record_stream(s)
+        return Pending(op, out, ev, keep=inputs)
 
     def resolve(self, p):
         if not p.done:
             torch.cuda.current_stream().wait_event(p.handle)
-            p.done = True
+            p.done, p.keep = True, ()
             p.t_done = time.perf_counter()   # host time of the wait, not of the kernel
         return p.out
 
 
 def make_lanes(device: Optional[torch.device] = None) -> Lanes:
+    """CUDA lanes on a CUDA device; on CPU the gloo lanes, or the strict ones with
+    DHELIX_LANES=strict."""
+    from dhelix.base.strict import lanes_mode
+    mode = lanes_mode()
     if device is not None and device.type == "cuda":
+        if mode == "strict":
+            raise ValueError("DHELIX_LANES=strict emulates CUDA's rules on CPU; on a CUDA "
+                             "device the CUDA lanes run (unset DHELIX_LANES)")
         return CudaLanes()
+    if mode == "strict":
+        from dhelix.strand.strict import StrictLanes
+        return StrictLanes()
     return CpuLanes()
