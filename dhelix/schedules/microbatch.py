@@ -65,14 +65,19 @@ class BackwardWalk:
     tied to the word embedding — gets one gradient per micro-batch, the sum of both
     parts, as megatron's single autograd pass gives it: the post-process part is held
     until the pre-process node adds its own. Every other parameter's gradient goes to its
-    AccumulateGrad as soon as its node is done."""
+    AccumulateGrad as soon as its last contribution in its node is in (`strand.node`).
+
+    The walk owns the micro-batch's nodes (`mb.nodes` is emptied) and lets each go when
+    its backward is done: a finished node keeps nothing, its input — the output of the
+    node below, whose own `out` the walk clears then — is freed, and the walk holds only
+    the gradient in flight and the first layer's input for the pre-process node."""
 
     def __init__(self, mb: Microbatch, steps: "MicrobatchSteps", label: str,
                  grad_output: Optional[torch.Tensor] = None):
         self.mb, self.steps, self.label = mb, steps, label
         self.grad_output = grad_output      # None: the output is the loss
-        self.pending = list(mb.nodes)
-        self.first_input = mb.nodes[0].x_in if mb.nodes else None
+        self.pending, mb.nodes = list(mb.nodes), []
+        self.first_input = self.pending[0].x_in if self.pending else None
         self.g: Optional[torch.Tensor] = None
         self.input_grad: Optional[torch.Tensor] = None   # for the stage before (pipeline)
         self.held: Dict[int, torch.Tensor] = {}
@@ -110,11 +115,15 @@ class BackwardWalk:
 
     def next(self) -> LayerNode:
         node = self.pending.pop()
-        node.begin_backward(self.g, "β", self.label)
+        g, self.g = self.g, None            # the node's states hold it (or their tiles)
+        node.begin_backward(g, "β", self.label)
         return node
 
     def done(self, node: LayerNode) -> None:
+        """The node's input grad goes on; its input (the output of the node below) goes."""
         self.g = node.finish_backward()
+        if self.pending:
+            self.pending[-1].out = None
 
     def pre(self) -> None:
         """Pre-process node: the first layer's input grad into the embedding's graph."""

@@ -5,20 +5,40 @@ so the autograd graphs of the nodes above and below stay apart. Its backward is 
 the schedule on the one thread that drives a training step — never by autograd, so it
 never waits inside the autograd engine's device thread (the CUDA deadlock this design
 removes) — and hands the input gradient to the node below. Parameter gradients enter
-autograd only at the end, through each parameter's own AccumulateGrad, so megatron DDP's
+autograd through each parameter's own AccumulateGrad, once per node, so megatron DDP's
 grad hooks, `no_sync` and `overlap_grad_reduce` see what they see for megatron's layer.
+
+A parameter's gradient is handed over as soon as its last contribution in this node has
+arrived (`GradHandoff`), not at the end of the node: the node never holds a finished
+weight gradient beyond the op that finished it (with tiles: until the last tile's op),
+and its sum is the one the whole-node path makes, in the same order. How many
+contributions each parameter gets per state is learnt from the program's first node
+backward, which holds everything to the end as before. When the backward ends the node
+drops its input (`x_in`): nothing of the node outlives its backward but the input grad.
 
 With `tiles=2` the node holds the two halves of its micro-batch (the intra-batch peer):
 the executor runs their op chains round-robin.
 """
 from __future__ import annotations
 
+import os
+import weakref
 from typing import Dict, List, Optional
 
 import torch
 
 from dhelix.strand.lanes import Lanes
-from dhelix.strand.state import StrandState
+from dhelix.strand.state import GradHandoffError, StrandState
+
+# program -> {id(param): gradient contributions per state in one node backward}, learnt
+# from the program's first node backward (its op chain is fixed, so are the counts)
+_GRAD_COUNTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def grad_handoff_enabled() -> bool:
+    """DHELIX_GRAD_HANDOFF=0 keeps every weight gradient to the end of its node (the
+    whole-node path; same values, higher peak)."""
+    return os.environ.get("DHELIX_GRAD_HANDOFF", "1") != "0"
 
 
 class NodeOrderError(RuntimeError):
@@ -40,6 +60,7 @@ class LayerNode:
         self.layer, self.program = layer, layer.program
         self.x_in: Optional[torch.Tensor] = x     # its graph leads to the node below
         self.out: Optional[torch.Tensor] = None
+        self.handoff: Optional[GradHandoff] = None    # during a backward with known counts
         if tiles > 1 and (x.shape[1] < tiles or x.shape[1] % tiles):
             raise ValueError(f"the intra-batch peer splits each micro-batch in {tiles}: "
                              f"--micro-batch-size must be divisible by {tiles} "
@@ -67,23 +88,102 @@ class LayerNode:
                 f"inside an autograd backward; the schedule must call node backwards on its "
                 f"own thread, outside autograd")
         self.out = None
+        counts = _GRAD_COUNTS.get(self.program) if grad_handoff_enabled() else None
+        self.handoff = GradHandoff(self.states) if counts is not None else None
         for S, gi in zip(self.states, _split(g, len(self.states))):
             S.counting = False          # backward temporaries are not activations
             S.strand, S.label = strand, label
             S.put("g_out", gi.contiguous())
+            if self.handoff is not None:
+                S.hand_grads_to(self.handoff.take, counts)
 
     def finish_backward(self) -> torch.Tensor:
-        """Input gradient for the node below; parameter grads into AccumulateGrad."""
+        """Input gradient for the node below; the parameter grads not handed over yet
+        into AccumulateGrad (all of them on the program's first backward, which learns
+        the counts); the node's input and states are dropped."""
         g_x = _join([S.get("g_x") for S in self.states])
+        h = self.handoff
+        # what is still here, per state in tile order, summed as the whole-node path does
         grads: Dict[int, torch.Tensor] = {}
-        for S in self.states:
-            for k, g in S.grads.items():
+        for i, S in enumerate(self.states):
+            mine = dict(S.grads)
+            if h is not None:
+                mine.update((k, sums[i]) for k, sums in h.done.items() if sums[i] is not None)
+            for k, g in mine.items():
                 grads[k] = g if k not in grads else grads[k] + g
+        seen = [S.grad_seen for S in self.states]
+        for S in self.states:
             S.clear()
+        if h is not None:
+            h.done.clear()
         params = [p for p in self.program.params if id(p) in grads]
+        if h is not None:
+            h.check_unhanded(params)
         accumulate_grads(params, [grads[id(p)] for p in params])
+        if grad_handoff_enabled():
+            if h is None or grads:
+                # first backward (or the counts did not hold: their grads went over only
+                # now, still in order): learn the counts, if every tile agrees
+                same = all(s == seen[0] for s in seen)
+                if same:
+                    _GRAD_COUNTS[self.program] = dict(seen[0])
+                else:
+                    _GRAD_COUNTS.pop(self.program, None)
         self.states = []
+        self.handoff = None
+        self.x_in = None                # its storage is the node below's output
         return g_x
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of parameter gradients this node holds now (not yet handed over)."""
+        n = sum(S.held_grad_bytes() for S in self.states)
+        if self.handoff is not None:
+            n += self.handoff.held_bytes()
+        return n
+
+
+class GradHandoff:
+    """A node's parameter gradients on their way to AccumulateGrad. Each state (tile)
+    hands over its sum of a parameter once its last contribution is in (`StrandState.
+    acc_grad`); when every tile's sum is here they are added in tile order — exactly the
+    whole-node path's sum — and handed to the parameter's AccumulateGrad, once."""
+
+    def __init__(self, states: List[StrandState]):
+        self.index = {id(S): i for i, S in enumerate(states)}
+        self.tiles = len(states)
+        self.done: Dict[int, List[Optional[torch.Tensor]]] = {}   # id(param) -> per tile
+        self.handed: Dict[int, torch.nn.Parameter] = {}
+
+    def take(self, S: StrandState, param: torch.nn.Parameter, g: torch.Tensor) -> None:
+        k, i = id(param), self.index[id(S)]
+        if k in self.handed:
+            raise GradHandoffError(
+                f"{S.label or S.strand}: the gradient of a parameter {tuple(param.shape)} "
+                f"was handed to autograd already in this node backward")
+        sums = self.done.setdefault(k, [None] * self.tiles)
+        if sums[i] is not None:
+            raise GradHandoffError(
+                f"{S.label or S.strand}: tile {i} finished the gradient of a parameter "
+                f"{tuple(param.shape)} twice")
+        sums[i] = g
+        if all(t is not None for t in sums):
+            del self.done[k]
+            total = sums[0]
+            for t in sums[1:]:
+                total = total + t
+            sums.clear()
+            self.handed[k] = param
+            accumulate_grads([param], [total])
+
+    def check_unhanded(self, params: List[torch.Tensor]) -> None:
+        twice = [tuple(p.shape) for p in params if id(p) in self.handed]
+        if twice:
+            raise GradHandoffError(f"parameters {twice} would get a second gradient in one "
+                                   f"node backward")
+
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for sums in self.done.values()
+                   for t in sums if t is not None)
 
 
 def accumulate_grads(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:

@@ -7,12 +7,17 @@ the backward are counted by the activation meter while they live.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from dhelix.strand.lanes import Lanes, Pending
 from dhelix.base.memory import METER
+
+
+class GradHandoffError(RuntimeError):
+    """A parameter's gradient contribution arrived after its gradient had been handed to
+    autograd (or it was handed twice): the sum would no longer be megatron's."""
 
 
 class StrandState:
@@ -23,7 +28,13 @@ class StrandState:
         self._v: Dict[str, Any] = {}
         self._tokens: Dict[str, list] = {}
         self.pending: List[Pending] = []
-        self.grads: Dict[int, torch.Tensor] = {}   # id(param) -> grad
+        self.grads: Dict[int, torch.Tensor] = {}   # id(param) -> sum of contributions
+        self.grad_seen: Dict[int, int] = {}        # id(param) -> contributions so far
+        # Set by a layer node's backward (`hand_grads_to`): how many contributions each
+        # parameter gets in this state, and where its sum goes once the last one is in.
+        self.grad_counts: Optional[Dict[int, int]] = None
+        self.grad_sink: Optional[Callable[["StrandState", torch.nn.Parameter,
+                                           torch.Tensor], None]] = None
         self.meta: Dict[str, Any] = {}             # attention mask, rotary embeddings
         # Only what the forward keeps for the backward counts as activation memory, as
         # autograd's saved tensors do for megatron's layer; backward temporaries do not.
@@ -73,9 +84,34 @@ class StrandState:
             self.lanes.resolve(p)
         self.pending.clear()
 
+    def hand_grads_to(self, sink, counts: Dict[int, int]) -> None:
+        """From now on a parameter's sum leaves `grads` for `sink(state, param, sum)` as
+        soon as its `counts[id(param)]`-th contribution has arrived."""
+        self.grad_sink, self.grad_counts = sink, counts
+
     def acc_grad(self, param: torch.nn.Parameter, g: torch.Tensor) -> None:
+        """One contribution to `param`'s gradient, added in arrival order (the order of
+        the op chain: megatron's sum). A parameter with an expected count is handed to
+        the sink at its last contribution; one past it is an error, since the gradient
+        has already left (a parameter the counts do not know stays in `grads`)."""
         k = id(param)
-        self.grads[k] = g if k not in self.grads else self.grads[k] + g
+        n = self.grad_seen.get(k, 0) + 1
+        self.grad_seen[k] = n
+        want = None if self.grad_counts is None else self.grad_counts.get(k)
+        if want is not None and n > want:
+            raise GradHandoffError(
+                f"{self.label or self.strand}: gradient contribution {n} of a parameter "
+                f"{tuple(param.shape)} counted for {want} per backward; its gradient was "
+                f"already handed to autograd, so this one would be added out of "
+                f"megatron's order")
+        total = g if k not in self.grads else self.grads.pop(k) + g
+        if n == want and self.grad_sink is not None:
+            self.grad_sink(self, param, total)
+        else:
+            self.grads[k] = total
+
+    def held_grad_bytes(self) -> int:
+        return sum(g.numel() * g.element_size() for g in self.grads.values())
 
     def _hold(self, key, value):
         if not self.counting:
