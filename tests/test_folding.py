@@ -62,14 +62,14 @@ def test_order_is_complete_and_respects_dependencies(G, N):
             assert live <= 2 * G
 
 
-def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", **kw):
+def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", pp=2, steps=STEPS, **kw):
     """megatron 1F1B and the fold from the same initial weights (a PP=1 checkpoint)."""
     d = str(tmp)
     common = dict(config=config, tensor_model_parallel_size=tp,
                   sequence_parallel=tp > 1, micro_batch_size=1)
     run_ranks(train_result, tp, timeout=300, train_iters=0, save=d, **common)
-    kw = dict(common, train_iters=STEPS, load=d, global_batch_size=nmb * world // (2 * tp),
-              pipeline_model_parallel_size=2, **kw)
+    kw = dict(common, train_iters=steps, load=d, global_batch_size=nmb * world // (pp * tp),
+              pipeline_model_parallel_size=pp, **kw)
     base = run_ranks(train_result, world, timeout=600, **kw)
     dh = run_ranks(train_result, world, timeout=600, dhelix={"enabled": True, "fold": True},
                    **kw)
@@ -91,6 +91,18 @@ def test_fold_trains_like_megatron_1f1b(tmp_path, world, tp, nmb, config):
         for i, (a, b) in enumerate(zip(r1["losses"], r2["losses"])):
             assert abs(a - b) <= 1e-5 * abs(a), f"step {i + 1}: 1F1B {a} vs fold {b}"
     assert len(dh[0]["peak_memory_bytes_per_stage"]) == 2
+
+
+@pytest.mark.parametrize("G,N", [(2, 2), (4, 4), (4, 8), (4, 16)])
+def test_fold_trains_like_megatron_1f1b_at_every_depth(tmp_path, G, N):
+    """The fold's P2P batches at G = 2, 4 with N = G, 2G, 4G micro-batches (with the cases
+    above), on strict lanes: NCCL's ordering and blocking rules, no deadlock."""
+    base, dh = _runs(G, N, 1, tmp_path, "tiny-llama4" if G == 2 else "tiny-llama8", pp=G,
+                     steps=3)
+    assert dh[0]["config"]["num_microbatches"] == N
+    for r1, r2 in zip(base, dh):
+        for i, (a, b) in enumerate(zip(r1["losses"], r2["losses"])):
+            assert abs(a - b) <= 1e-5 * abs(a), f"step {i + 1}: 1F1B {a} vs fold {b}"
 
 
 def test_checkpoint_moves_between_fold_and_unfolded(tmp_path):

@@ -113,10 +113,12 @@ def test_random_plans_train_like_baseline(tmp_path, seed):
 def test_node_schedule_invariants():
     """The invariant whose breach deadlocked CUDA: a --dhelix step starts no Python
     thread, and every node backward (layers, pre-process) is entered outside any
-    autograd backward (current graph task id -1)."""
+    autograd backward (current graph task id -1). The strict lanes' workers (streams,
+    moving data only) are the one exception, and they are there."""
     r = run_ranks(_invariant_probe_run, 2, timeout=300)
     for res in r:
         assert res["threads_started"] == 0
+        assert res["lane_threads"] >= 1
         # 3 iterations × 3 micro-batches × (2 layer nodes + 1 pre-process node)
         assert len(res["task_ids"]) == 3 * 3 * 3
         assert set(res["task_ids"]) == {-1}

@@ -47,12 +47,14 @@ def invariant_probe():
     from dhelix.schedules.microbatch import BackwardWalk
     from dhelix.strand.node import LayerNode
 
-    seen = {"threads_started": 0, "task_ids": []}
+    seen = {"threads_started": 0, "lane_threads": 0, "task_ids": []}
     orig_start, orig_begin, orig_pre = threading.Thread.start, LayerNode.begin_backward, \
         BackwardWalk.pre
 
     def start(self, *a, **k):
-        seen["threads_started"] += 1
+        # strict lanes play each lane's stream on a worker thread that only moves data
+        lane = self.name.startswith("dhelix-lane-")
+        seen["lane_threads" if lane else "threads_started"] += 1
         return orig_start(self, *a, **k)
 
     def begin(self, *a, **k):

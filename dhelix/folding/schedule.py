@@ -20,17 +20,18 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from collections import deque
 
-from dhelix.folding.order import FoldedOrder, folded_order, sends, travels_down
+from dhelix.folding.order import FoldedOrder, folded_order, travels_down
+from dhelix.folding.p2p import Batch, batches as p2p_batches
 from dhelix.schedules.dhelix import DHelixSchedule, co_step
 from dhelix.schedules.microbatch import Microbatch, MicrobatchSteps
 
 ACT, GRAD = 0, 1
 
 
-def _tag(m: int, chunk: int, kind: int) -> int:
-    return 4 * m + 2 * chunk + kind
+def _tag(item) -> int:
+    kind, chunk, m = item
+    return 4 * m + 2 * chunk + (0 if kind == "F" else 1)
 
 
 class FoldedSchedule(DHelixSchedule):
@@ -39,6 +40,7 @@ class FoldedSchedule(DHelixSchedule):
     def __init__(self, options: dict):
         super().__init__(options)
         self._orders: Dict[Tuple[int, int], FoldedOrder] = {}
+        self._p2p: Dict[Tuple[int, int], List[List[Batch]]] = {}
 
     def order(self, stages: int, microbatches: int) -> FoldedOrder:
         key = (stages, microbatches)
@@ -46,18 +48,22 @@ class FoldedSchedule(DHelixSchedule):
             self._orders[key] = folded_order(stages, microbatches)
         return self._orders[key]
 
+    def p2p_plan(self, stages: int, microbatches: int) -> List[List[Batch]]:
+        key = (stages, microbatches)
+        if key not in self._p2p:
+            self._p2p[key] = p2p_batches(self.order(stages, microbatches))
+        return self._p2p[key]
+
     def forward_backward(self, **kw):
         return forward_backward_folded(schedule=self, **kw)
 
 
 class _Pipe:
-    """This stage's pipeline traffic. Sends and receives are queued and go out as one
-    batch a step (`flush`): the step's sends with the next step's receives, to both
-    neighbours, as megatron's P2P does. On NCCL a lone blocking send or receive holds the
-    lane stream until its peer's matching op runs; posted one by one, step k+1's receives
-    ahead of step k's sends deadlock two stages that each wait for the other's."""
+    """This stage's pipeline traffic, as the batches `folding.p2p.batches` plans: each
+    posted before its step, in the one global order every stage keeps (NCCL matches
+    point-to-point messages by posting order and blocks the lane in each; see p2p.py)."""
 
-    def __init__(self, lanes, shape, dtype, device):
+    def __init__(self, lanes, shape, dtype, device, plan=()):
         import torch.distributed as dist
         from megatron.core import parallel_state
         from dhelix.strand.lanes import lane_of_group
@@ -66,45 +72,47 @@ class _Pipe:
         self.ranks = dist.get_process_group_ranks(self.group)
         self.stage = parallel_state.get_pipeline_model_parallel_rank()
         self.lane = lane_of_group(self.group)
-        self.to_send: List[tuple] = []        # (tensor, peer, tag) of the open batch
-        self.to_recv: List[tuple] = []        # (buffer, peer, tag) of the open batch
-        self.keys: List[Tuple[int, int, int]] = []
-        self.batches = []                     # launched batches' Pendings
-        self.posted: Dict[Tuple[int, int, int], tuple] = {}   # key -> (Pending|None, i)
+        self.plan, self.next = list(plan), 0
+        self.outbox: Dict[tuple, torch.Tensor] = {}      # item -> output to send
+        self.inbox: Dict[tuple, tuple] = {}              # item -> (Pending, index)
+        self.launched = []
 
-    def send(self, t: torch.Tensor, to_stage: int, m: int, chunk: int, kind: int):
-        self.to_send.append((t.detach(), self.ranks[to_stage], _tag(m, chunk, kind)))
+    def deliver(self, item, t: torch.Tensor):
+        self.outbox[item] = t.detach()
 
-    def post_recv(self, from_stage: int, m: int, chunk: int, kind: int):
-        key = (m, chunk, kind)
-        if key not in self.posted:
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            self.to_recv.append((buf, self.ranks[from_stage], _tag(m, chunk, kind)))
-            self.keys.append(key)
-            self.posted[key] = (None, len(self.to_recv) - 1)
+    def post(self, step: int):
+        """Post the batches due before `step` (len(steps): the last sends)."""
+        while self.next < len(self.plan) and self.plan[self.next].before <= step:
+            b = self.plan[self.next]
+            self.next += 1
+            sends = [(self.outbox.pop(m.item), self.ranks[m.dst], _tag(m.item))
+                     for m in b.sends]
+            recvs = [(torch.empty(self.shape, dtype=self.dtype, device=self.device),
+                      self.ranks[m.src], _tag(m.item)) for m in b.recvs]
+            p = self.lanes.p2p("p2p", sends, recvs, self.group, self.lane)
+            for i, m in enumerate(b.recvs):
+                self.inbox[m.item] = (p, i)
+            self.launched.append(p)
 
-    def flush(self):
-        """Launch the open batch (in the order every rank posts: NCCL matches by it)."""
-        if not self.to_send and not self.to_recv:
-            return
-        p = self.lanes.p2p("p2p", self.to_send, self.to_recv, self.group, self.lane)
-        for i, key in enumerate(self.keys):
-            self.posted[key] = (p, i)
-        self.batches.append(p)
-        self.to_send, self.to_recv, self.keys = [], [], []
+    def send_now(self, item, t: torch.Tensor, to_stage: int):
+        self.launched.append(self.lanes.p2p("p2p", [(t.detach(), self.ranks[to_stage],
+                                                      _tag(item))], [], self.group, self.lane))
 
-    def take(self, m: int, chunk: int, kind: int) -> torch.Tensor:
-        key = (m, chunk, kind)
-        if self.posted[key][0] is None:       # still in the open batch
-            self.flush()
-        p, i = self.posted.pop(key)
+    def recv_now(self, item, from_stage: int) -> torch.Tensor:
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        p = self.lanes.p2p("p2p", [], [(buf, self.ranks[from_stage], _tag(item))],
+                           self.group, self.lane)
+        return self.lanes.resolve(p)[0]
+
+    def take(self, item) -> torch.Tensor:
+        p, i = self.inbox.pop(item)
         return self.lanes.resolve(p)[i]
 
     def drain(self):
-        self.flush()
-        for p in self.batches:
+        for p in self.launched:
             self.lanes.resolve(p)
-        self.batches.clear()
+        self.launched.clear()
+        assert not self.outbox and not self.inbox, "pipeline messages left unsent"
 
 
 def forward_backward_folded(*, forward_step_func, data_iterator, model, num_microbatches,
@@ -151,26 +159,10 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
     turn: Dict[int, Dict[int, torch.Tensor]] = {ACT: {}, GRAD: {}}
     my_steps = order.steps[g]
 
-    # the messages each neighbour will send here, in its send order: receives are posted
-    # in that order (NCCL matches by order; gloo's tags would forgive a mismatch)
-    expect = {n: deque(sends(order, n, g)) for n in (g - 1, g + 1) if 0 <= n < G}
+    pipe.plan, pipe.next = schedule.p2p_plan(G, N)[g], 0
 
     def item(kind, c, m):
         return ("F" if kind == ACT else "B", c, m)
-
-    def post(kind, c, m):
-        """Post the receive of (kind, c, m), and before it every message its sender
-        sends earlier."""
-        it = item(kind, c, m)
-        src = g - 1 if travels_down(it) else g + 1
-        if src not in expect or (m, c, kind) in pipe.posted:
-            return
-        queue = expect[src]
-        while queue:
-            k, cc, mm = queue.popleft()
-            pipe.post_recv(src, mm, cc, ACT if k == "F" else GRAD)
-            if (k, cc, mm) == it:
-                return
 
     def receive(kind, c, m):
         """An item's input; None on stage 0 for F0 (the data) and B1 (the loss)."""
@@ -179,31 +171,22 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
                 return None
         elif g == G - 1:
             return turn[kind].pop(m)
-        post(kind, c, m)
-        return pipe.take(m, c, kind)
+        return pipe.take(item(kind, c, m))
 
     def deliver(t, kind, c, m):
-        if travels_down(item(kind, c, m)):
+        it = item(kind, c, m)
+        if travels_down(it):
             if g == G - 1:
                 turn[kind][m] = t.detach()
             else:
-                pipe.send(t, g + 1, m, c, kind)
+                pipe.deliver(it, t)
         elif g > 0:                                   # stage 0: the loss / the embedding
-            pipe.send(t, g - 1, m, c, kind)
-
-    def post_inputs(step):
-        """Post the receives a step needs (ahead of time)."""
-        if step.fwd:
-            post(ACT, step.fwd[1], step.fwd[2])
-        if step.bwd:
-            post(GRAD, step.bwd[1], step.bwd[2])
+            pipe.deliver(it, t)
 
     no_sync = config.no_sync_func or contextlib.nullcontext
     with no_sync():      # grads are reduced once, by finalize, after the last step
-        if my_steps:
-            post_inputs(my_steps[0])
-            pipe.flush()
         for k, step in enumerate(my_steps):
+            pipe.post(k)                  # the batches due: earlier sends, k's receives
             walk = None
             if step.bwd:
                 _, cb, mb = step.bwd
@@ -223,9 +206,7 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
                 deliver(out.output, ACT, cf, mf)      # stage 0's F1 output: the loss, kept
             if walk is not None:
                 deliver(walk.input_grad, GRAD, cb, mb)
-            if k + 1 < len(my_steps):
-                post_inputs(my_steps[k + 1])
-            pipe.flush()              # this step's sends with the next step's receives
+        pipe.post(len(my_steps))
         pipe.drain()
     tokens = steps[0].tokens + steps[1].tokens
     if config.finalize_model_grads_func is not None:
@@ -242,14 +223,16 @@ def _forward(steps: MicrobatchSteps, m: int, batch, x, is_last: bool):
 
 
 def _forward_only(steps, pipe, batches, G, g, N, store):
-    """Evaluation: every micro-batch down through the front chunks and back up."""
+    """Evaluation: every micro-batch down through the front chunks and back up; each
+    message a batch of its own, posted in time order on every stage."""
     from megatron.core.pipeline_parallel import schedules as ms
     for m in range(N):
         for c in (0, 1):
+            it = ("F", c, m)
             if c == 0:
-                x = None if g == 0 else _recv_now(pipe, g - 1, m, 0)
+                x = None if g == 0 else pipe.recv_now(it, g - 1)
             else:
-                x = turn if g == G - 1 else _recv_now(pipe, g + 1, m, 1)
+                x = turn if g == G - 1 else pipe.recv_now(it, g + 1)
             s = steps[c]
             out, _ = ms.forward_step(s.fs, iter([batches[m]]), s.model, N, x, s.store,
                                      s.config, s.cp, s.collect, is_last_stage=(c == 1 and g == 0))
@@ -257,13 +240,8 @@ def _forward_only(steps, pipe, batches, G, g, N, store):
                 if g == G - 1:
                     turn = out
                 else:
-                    pipe.send(out, g + 1, m, 0, ACT)
+                    pipe.send_now(it, out, g + 1)
             elif g > 0:
-                pipe.send(out, g - 1, m, 1, ACT)
+                pipe.send_now(it, out, g - 1)
     pipe.drain()
     return store
-
-
-def _recv_now(pipe, stage, m, chunk):
-    pipe.post_recv(stage, m, chunk, ACT)
-    return pipe.take(m, chunk, ACT)
