@@ -109,17 +109,6 @@ def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=F
 
 # ---- DHELIX_LANES=strict: the dispatcher's device-to-host copies (tests/test_strict_moe.py)
 
-def gloo_lanes_until_strict_lands():
-    """make_lanes under DHELIX_LANES=strict builds StrictLanes (dhelix/strand/strict.py);
-    until that module lands, the gloo lanes. The compat layer's strict device-to-host
-    copies read the variable themselves, so they are strict either way."""
-    import importlib.util
-
-    from dhelix.strand import lanes
-    if importlib.util.find_spec("dhelix.strand.strict") is None:
-        lanes.make_lanes = lambda device=None: lanes.CpuLanes()
-
-
 def without_d2h_sync(variant):
     """The old behaviour back, for a test that the strict check can fail: "none" never
     synchronizes the dispatcher's d2h event (DHelix skipped megatron's token_dispatch
@@ -144,7 +133,6 @@ def strict_moe_layer_matches(broken=None, **kw):
     variant) the error it raises, as text."""
     import os
     assert os.environ.get("DHELIX_LANES") == "strict"
-    gloo_lanes_until_strict_lands()
     if broken is None:
         return moe_layer_matches(**kw)
     without_d2h_sync(broken)
@@ -168,7 +156,6 @@ def interleaved_moe_forwards(broken=None, tp=1, ep=2, seq=16, mbs=2, seed=5):
     from dhelix.strand.executor import execute_step
     from dhelix.strand.lanes import make_lanes
     from dhelix.strand.state import StrandState
-    gloo_lanes_until_strict_lands()
     if broken is not None:
         without_d2h_sync(broken)
     ref, dh, cfg, rope = setup_moe_layer(tp, ep, seq=seq, mbs=mbs)
@@ -203,3 +190,16 @@ def interleaved_moe_forwards(broken=None, tp=1, ep=2, seq=16, mbs=2, seed=5):
         return None
     return {k: float((states[k].get("out") - want[k]).abs().max() / want[k].abs().max())
             for k in xs}
+
+
+def shared_experts_racing_the_lane(**kw):
+    """The shared experts' megatron linears issue their own TP collectives; without
+    `quiesce` first they race a lane's TP comm (on NCCL: either order, per rank). The
+    strict lanes' error, as text."""
+    from dhelix.strand import moe
+    moe.MoEProgram._quiesce_tp = lambda self, S: None
+    try:
+        moe_layer_matches(**kw)
+    except RuntimeError as e:
+        return str(e)
+    return None

@@ -123,3 +123,18 @@ def test_dhelix_moe_layer_tp2_ep2_matches_megatron_in_strict_mode():
                    ep=2, plans=2)
     for r in rs:
         assert r["worst"] <= 1e-6 and r["plans"] == 4, r
+
+
+def test_shared_experts_racing_a_lane_collective_is_caught():
+    """TP=2+SP × EP=2 with shared experts: megatron's shared-expert linears run their own
+    TP collectives inside an op. Issued while a lane's TP comm is in flight they may run
+    in different orders on different ranks under NCCL (this hung the strict suite before
+    the fix); strict lanes refuse it by name. With `quiesce` first: equal to megatron."""
+    import moe_fns
+    rs = run_ranks(moe_fns.shared_experts_racing_the_lane, 4, timeout=400, env=STRICT,
+                   tp=2, ep=2, plans=2, shared=96)
+    assert all(r and "in flight" in r and "Lanes.quiesce(group)" in r for r in rs), rs
+    rs = run_ranks(moe_fns.strict_moe_layer_matches, 4, timeout=400, env=STRICT, tp=2,
+                   ep=2, plans=2, shared=96)
+    for r in rs:
+        assert r["worst"] <= 1e-6 and r["plans"] == 4, r

@@ -29,12 +29,13 @@ Message = Tuple[torch.Tensor, int, int]
 
 class Pending:
     """The future result of a comm op."""
-    __slots__ = ("op", "out", "handle", "done", "t_done", "keep", "__weakref__")
+    __slots__ = ("op", "out", "handle", "done", "t_done", "keep", "group", "__weakref__")
 
     def __init__(self, op: str, out, handle, keep: Tuple[torch.Tensor, ...] = ()):
         self.op, self.out, self.handle, self.done = op, out, handle, False
         self.keep = keep     # the tensors the comm reads: alive until it is waited for
         self.t_done = None   # when a reader first had the result (host clock), for traces
+        self.group = 0       # id of its process group (Lanes.quiesce)
 
 
 class _AllWorks:
@@ -60,6 +61,9 @@ class Lanes(abc.ABC):
     """Backend-neutral part: the collectives DHelix ops use. Inputs are made contiguous
     here, by the caller (on CUDA: on the compute stream that produced them), and handed
     to the collective as arguments, never captured, so the backend decides their life."""
+
+    def __init__(self):
+        self._in_flight: Dict[int, Dict[int, Pending]] = {}   # id(group) -> unresolved
 
     def all_gather(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
         n = dist.get_world_size(group)
@@ -148,17 +152,35 @@ class Lanes(abc.ABC):
         for p in pendings:
             self.resolve(p)
 
+    def quiesce(self, group) -> None:
+        """Wait for every comm on `group` not yet waited for, whichever strand issued
+        it: before code that issues its own collective on that group (megatron's
+        linears inside an op), since on NCCL a compute-stream collective and a lane's
+        on one communicator may otherwise run in different orders on different ranks."""
+        for p in list(self._in_flight.get(id(group), {}).values()):
+            self.resolve(p)
+
+    def _track(self, p: Pending, group) -> Pending:
+        """Remember `p` until it is resolved (`quiesce`)."""
+        self._in_flight.setdefault(id(group), {})[id(p)] = p
+        p.group = id(group)
+        return p
+
+    def _untrack(self, p: Pending) -> None:
+        self._in_flight.get(p.group, {}).pop(id(p), None)
+
 
 class CpuLanes(Lanes):
     """gloo: a comm is an async work running on gloo's own threads."""
     name = "cpu"
 
     def _launch(self, op, lane, out, inputs, fn, group):
-        return Pending(op, out, fn(*inputs), keep=inputs)
+        return self._track(Pending(op, out, fn(*inputs), keep=inputs), group)
 
     def resolve(self, p):
         if not p.done:
             p.handle.wait()
+            self._untrack(p)
             p.done, p.keep = True, ()
             p.t_done = time.perf_counter()
         return p.out
@@ -170,6 +192,7 @@ class CudaLanes(Lanes):
     async_op = False   # the collective is enqueued on the lane stream; events order it
 
     def __init__(self):
+        super().__init__()
         self.streams: Dict[str, torch.cuda.Stream] = {}
 
     def _stream(self, lane):
@@ -192,11 +215,12 @@ class CudaLanes(Lanes):
         # reference to them since torch 2.8) and of the outputs must be recorded.
         for t in tuple(inputs) + tuple(out if isinstance(out, list) else [out]):
             t.record_stream(s)
-        return Pending(op, out, ev, keep=inputs)
+        return self._track(Pending(op, out, ev, keep=inputs), group)
 
     def resolve(self, p):
         if not p.done:
             torch.cuda.current_stream().wait_event(p.handle)
+            self._untrack(p)
             p.done, p.keep = True, ()
             p.t_done = time.perf_counter()   # host time of the wait, not of the kernel
         return p.out

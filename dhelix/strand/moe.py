@@ -129,6 +129,12 @@ class MoEProgram(LayerProgram):
         for k, v in S.get("moe_routing").items():
             setattr(self.disp, k, v)
 
+    def _quiesce_tp(self, S):
+        """The shared experts are megatron's MLP: with TP its linears run their own
+        collectives on the TP group, which must not race a lane's TP comm (strict.py)."""
+        if self.tp > 1:
+            S.lanes.quiesce(self.group)
+
     def _d2h_synchronize(self, S, point):
         """megatron's `_maybe_dtoh_and_synchronize(point)` for this strand's host copies:
         wait for the event recorded after them if `point` is the dispatcher's sync point.
@@ -171,6 +177,7 @@ class MoEProgram(LayerProgram):
         S.put("moe_map", rmap)
 
     def _shared(self, S):
+        self._quiesce_tp(S)
         (out,) = self._graph(S, ("ln2",), "g:shared", lambda x: (self.moe.shared_experts(x),))
         S.put("moe_shared", out)
 
@@ -271,6 +278,7 @@ class MoEProgram(LayerProgram):
             S.drop("g_mlp_out")
 
     def _shared_b(self, S):
+        self._quiesce_tp(S)
         (g,) = self._graph_grad(S, "g:shared", [S.get("g_mlp_out")],
                                 list(self.moe.shared_experts.parameters()))
         S.put("g_ln2_shared", g)

@@ -100,6 +100,7 @@ class _Op:
         self.finished = threading.Event()
         self.error: Optional[BaseException] = None
         self.t_done: Optional[float] = None
+        self.group = 0
 
     def check(self, when: str):
         for i in self.inputs:
@@ -119,10 +120,45 @@ class _Op:
         return f"{self.name}" + (f" ({self.peer_text})" if self.peer_text else "")
 
 
+_IN_FLIGHT: Dict[int, Dict[int, "_Op"]] = {}     # id(group) -> {id(op): op} not waited for
+_GUARDED = False
+
+
+def _guard_collectives() -> None:
+    """On NCCL a collective on the compute stream and a lane's collective on the same
+    communicator may run in either order, and in different orders on different ranks:
+    a collective issued outside the lanes (megatron's own, inside an op) while a lane
+    collective on its group is not yet waited for is an error naming both."""
+    global _GUARDED
+    if _GUARDED:
+        return
+    _GUARDED = True
+    from dhelix.links.paced import METHODS, _PG
+
+    def wrap(orig, name):
+        def method(self, *a, **k):
+            ops = _IN_FLIGHT.get(id(self))
+            if ops and not isinstance(threading.current_thread(), LaneWorker) and \
+                    not threading.current_thread().name.startswith("dhelix-lane-"):
+                names = ", ".join(sorted({o.name for o in list(ops.values())}))
+                raise StrictLaneError(
+                    f"a {name} on a process group whose lane still has {names} in flight: "
+                    f"on NCCL the two may run in either order, and in different orders on "
+                    f"different ranks; wait for the lane first (Lanes.quiesce(group))")
+            return orig(self, *a, **k)
+        method.__name__ = getattr(orig, "__name__", name)
+        return method
+    for name in METHODS:
+        orig = getattr(_PG, name, None)
+        if orig is not None:
+            setattr(_PG, name, wrap(orig, name))
+
+
 class StrictLanes(Lanes):
     name = "strict"
 
     def __init__(self, keep_inputs: bool = True, timeout_s: Optional[float] = None):
+        super().__init__()
         # keep_inputs=False reproduces a lane that forgets its inputs (the old CudaLanes):
         # for the tests that show the check can fail
         self.keep_inputs = keep_inputs
@@ -130,6 +166,7 @@ class StrictLanes(Lanes):
                                os.environ.get("DHELIX_STRICT_TIMEOUT", "30"))
         self.workers: Dict[str, LaneWorker] = {}
         self._posted: Dict[Tuple[int, int, str], int] = {}   # (group, peer, dir) -> count
+        _guard_collectives()
 
     # ---- issue ---------------------------------------------------------------------------
     def _worker(self, lane: str) -> LaneWorker:
@@ -139,7 +176,7 @@ class StrictLanes(Lanes):
             w.start()
         return w
 
-    def _submit(self, op: _Op, out) -> Pending:
+    def _submit(self, op: _Op, out, group) -> Pending:
         w = self._worker(op.lane)
         if w.error is not None:
             raise StrictLaneError(f"{op.name}: the {op.lane} lane failed earlier") from w.error
@@ -147,8 +184,10 @@ class StrictLanes(Lanes):
             if t.requires_grad:
                 raise StrictLaneError(f"{op.name}: an input of a comm op requires grad; a "
                                       f"lane only moves data and never touches autograd")
+        op.group = id(group)
+        _IN_FLIGHT.setdefault(op.group, {})[id(op)] = op
         w.q.put(op)
-        return Pending(op.name, out, op, keep=op.keep)
+        return self._track(Pending(op.name, out, op, keep=op.keep), group)
 
     def _launch(self, op, lane, out, inputs, fn, group):
         def run(worker, *xs):
@@ -157,7 +196,7 @@ class StrictLanes(Lanes):
                 h.wait()
         ranks = dist.get_process_group_ranks(group) if group is not None else []
         return self._submit(_Op(op, lane, inputs, self.keep_inputs, run,
-                                peer_text=f"group of ranks {ranks}"), out)
+                                peer_text=f"group of ranks {ranks}"), out, group)
 
     def _launch_p2p(self, op, lane, sends, recvs, group, outs):
         """Each message gets its place in the pair's posting order now, at issue (NCCL's
@@ -180,7 +219,7 @@ class StrictLanes(Lanes):
             _rendezvous(worker, op, me, group, list(zip(xs, plan_s)), plan_r)
         o = _Op(op, lane, tuple(x for x, _, _ in sends), self.keep_inputs, run,
                 peer_text=text or f"peers {peers}")
-        return self._submit(o, outs)
+        return self._submit(o, outs, group)
 
     # ---- wait ----------------------------------------------------------------------------
     def resolve(self, p: Pending):
@@ -194,6 +233,8 @@ class StrictLanes(Lanes):
         if op.error is not None:
             raise StrictLaneError(f"{op.name} failed on its lane: {op.error}") from op.error
         op.check("when it was waited for")
+        _IN_FLIGHT.get(op.group, {}).pop(id(op), None)
+        self._untrack(p)
         p.done, p.keep = True, ()
         p.t_done = op.t_done
         op.keep = ()
