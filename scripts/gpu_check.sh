@@ -21,8 +21,10 @@
 #   megatron-lm/*  Megatron-LM's own pretrain_gpt.py with and without --dhelix, bf16, 20
 #                iterations (scripts/gpu_megatron_lm.sh); logged lm loss compared
 #   timing/*     an 8-layer Llama-3-8B-shaped GPT, bf16, seq 4096, micro-batch 1, 8
-#                micro-batches: DHelix's tokens/s and peak memory beside megatron's (goal at
-#                TP=1, no comm to hide: >= 0.97x the speed, <= 1.05x the memory)
+#                micro-batches: DHelix's tokens/s and activation peak beside megatron's on
+#                the same spec (SDPA; goal at TP=1, no comm to hide: >= 0.97x the speed,
+#                <= 1.05x the memory); as an extra, megatron's unfused local layer
+#                (--layer-spec megatron-local) beside the SDPA spec
 #   extras, only while the budget lasts: bf16 (close, not equal), the intra-batch peer,
 #                megatron's MoE block; with >= 2 GPUs TP=2+SP, PP=2 (the fold), EP=2, CP=2
 #                over NCCL (on the lent machine: skipped, NCCL refuses two ranks on one GPU)
@@ -65,6 +67,9 @@ timing/base        | 75 |                 | \$BIG --json \$T/big-base.json
 timing/dhelix      | 75 |                 | \$BIG --dhelix --json \$T/big-dhelix.json
 timing/compare     | -  | after=timing/base,timing/dhelix | @compare \$T/big-base.json \$T/big-dhelix.json 1 timing
 # extras: each runs only if its timeout still fits the running budget
+timing/local       | 75 | extra | \$BIG --layer-spec megatron-local --json \$T/big-local.json
+timing/local-vs-sdpa | - | extra after=timing/local,timing/base | @compare \$T/big-local.json \$T/big-base.json 1 timing
+megatron-lm/sdpa   | 60 | extra | $ML sdpa
 bf16/base          | 40 | extra | \$FP32 --bf16 --json \$T/bf16-base.json
 bf16/dhelix        | 40 | extra | \$FP32 --bf16 --dhelix --json \$T/bf16-dhelix.json
 bf16/compare       | -  | extra after=bf16/base,bf16/dhelix | @compare \$T/bf16-base.json \$T/bf16-dhelix.json 2e-2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-LM's own pretrain_gpt.py on one GPU, with and without --dhelix (TP=1, mock
 # data, 20 iterations, bf16), and the logged losses compared.
-#   bash scripts/gpu_megatron_lm.sh [both|megatron|dhelix]      (default: both + compare)
+#   bash scripts/gpu_megatron_lm.sh [both|megatron|sdpa|dhelix]      (default: both + compare)
 # Needs a CUDA torch, megatron-core 0.16.1, Megatron-LM's training code and its small
 # packages (pip install -e ".[megatron-lm]": six, regex, triton, pydantic). The training
 # code is found at $MEGATRON_LM, else ./.megatron-lm (the copy scripts/gpu_prep.sh makes,
@@ -61,11 +61,12 @@ PY
 }
 case "${1:-both}" in
   megatron) run megatron ;;
+  sdpa) run sdpa --dhelix-sdpa-baseline ;;      # megatron's layer on DHelix's kernels
   dhelix) run dhelix --dhelix ;;
   both)
     run megatron; a=$?
     run dhelix --dhelix; b=$?
     python3 scripts/gpu_lanes_check.py compare-logs "$logdir/megatron-lm-megatron.log" \
       "$logdir/megatron-lm-dhelix.log" 2e-2 && [ $a = 0 ] && [ $b = 0 ] ;;
-  *) echo "usage: $0 [both|megatron|dhelix]" >&2; exit 2 ;;
+  *) echo "usage: $0 [both|megatron|sdpa|dhelix]" >&2; exit 2 ;;
 esac

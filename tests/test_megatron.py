@@ -20,16 +20,6 @@ def test_spec_object_and_callable():
     assert spec.module is DHelixLayer
 
 
-def test_with_dhelix_layer_keeps_megatron_submodules():
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from dhelix.megatron.spec import with_dhelix_layer
-    from dhelix.strand.layer import DHelixLayer
-    orig = get_gpt_layer_local_spec()
-    swapped = with_dhelix_layer(orig)
-    assert swapped.module is DHelixLayer
-    assert swapped.submodules is orig.submodules
-
-
 def test_install_hook_swaps_only_with_flag():
     from megatron.core import pipeline_parallel
     from megatron.core.models.gpt import gpt_layer_specs

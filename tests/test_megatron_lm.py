@@ -29,15 +29,17 @@ def test_real_parser_takes_dhelix_flags():
 
 
 def test_real_builder_and_schedule_train_like_megatron():
-    """TP=2 on 2 ranks (no SP: Megatron-LM's local spec ends the block with a torch norm
-    that refuses sequence parallel on CPU): the DHelix model Megatron-LM's gpt_builder
-    builds after the hook, run by the forward-backward function its training module
-    returns, gives megatron's losses and gradients."""
-    argv = fns.SMALL + ["--tensor-model-parallel-size", "2"]
-    base = run_ranks(fns.train_real, 2, argv, False, timeout=400)
+    """TP=2 + sequence parallel on 2 ranks, through the install hook: the DHelix model
+    Megatron-LM's gpt_builder builds with --dhelix (DHelix's spec, whose final norm takes
+    sequence parallel), run by the forward-backward function its training module returns,
+    gives the losses and gradients of --dhelix-sdpa-baseline (megatron's layer and
+    schedule on the same spec) bit for bit."""
+    argv = fns.SMALL + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    base = run_ranks(fns.train_real, 2, argv + ["--dhelix-sdpa-baseline"], False,
+                     timeout=400)
     dh = run_ranks(fns.train_real, 2, argv, True, timeout=400)
     for b, d in zip(base, dh):
-        assert b["installed"] is False and d["installed"] is True
+        assert b["installed"] is True and d["installed"] is True
         assert set(b["layers"]) == {"TransformerLayer"} and set(d["layers"]) == {"DHelixLayer"}
         assert len(d["layers"]) == 2
         assert b["schedule"] == "forward_backward_no_pipelining"

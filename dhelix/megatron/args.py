@@ -32,6 +32,10 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "each micro-batch split in two halves, interleaved round-robin")
     g.add_argument("--dhelix-force", action="store_true",
                    help="use a table made for another shape or cluster anyway")
+    g.add_argument("--dhelix-sdpa-baseline", action="store_true",
+                   help="without --dhelix: megatron's own layer and schedule on DHelix's "
+                        "layer spec (SDPA core attention, the one-node norm), the baseline "
+                        "that compares the schedule alone, with the same kernels")
     return parser
 
 
@@ -41,6 +45,10 @@ class DHelixArgError(ValueError):
 
 def check_dhelix_args(args) -> None:
     """Stop before training on bad --dhelix* values (files named, fixes given)."""
+    if getattr(args, "dhelix_sdpa_baseline", False) and getattr(args, "dhelix", False):
+        raise DHelixArgError("--dhelix-sdpa-baseline is the run to compare --dhelix with: "
+                             "give one of them")
+    _check_transformer_impl(args)
     if not getattr(args, "dhelix", False):
         for name in ("dhelix_plan", "dhelix_overlap_table", "dhelix_trace"):
             if getattr(args, name, None):
@@ -71,6 +79,15 @@ def check_dhelix_args(args) -> None:
     if pp > 1 and not fold:
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
                              "U-folded pipeline: add --dhelix-fold")
+
+
+def _check_transformer_impl(args) -> None:
+    if not (getattr(args, "dhelix", False) or getattr(args, "dhelix_sdpa_baseline", False)):
+        return
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
-        raise DHelixArgError("--dhelix runs megatron-core's local layer modules: add "
-                             "--transformer-impl local")
+        raise DHelixArgError(
+            "--dhelix builds its own layer spec (SDPA core attention — FlashAttention or "
+            "cuDNN on CUDA — a one-node norm, megatron's linears); Transformer Engine's "
+            "layers are not DHelix ops yet (no fp8, no fused LayerNorm-linear, no "
+            "userbuffers TP overlap): pass --transformer-impl local, and compare with "
+            "--dhelix-sdpa-baseline for the same kernels")

@@ -17,8 +17,14 @@ def dhelix_options(args) -> dict:
 
 
 def install(args) -> bool:
-    """Apply the hooks if `args.dhelix`; returns whether anything was installed."""
+    """Apply the hooks if `args.dhelix` (DHelix's layer spec and schedule) or
+    `args.dhelix_sdpa_baseline` (the spec with megatron's layer, megatron's schedule);
+    returns whether anything was installed."""
     check_dhelix_args(args)
+    if getattr(args, "dhelix_sdpa_baseline", False):
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+        _install_spec(args, TransformerLayer)
+        return True
     if not getattr(args, "dhelix", False):
         return False
     if getattr(args, "dhelix_fold", False):
@@ -28,11 +34,10 @@ def install(args) -> bool:
                              "`dhelix train --pipeline-model-parallel-size G --dhelix "
                              "--dhelix-fold`")
     from megatron.core import pipeline_parallel
-    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.pipeline_parallel import schedules
 
-    from dhelix.megatron.spec import with_dhelix_layer, with_ring_attention
     from dhelix.schedules.dhelix import DHelixSchedule, forward_backward_dhelix
+    from dhelix.strand.layer import DHelixLayer
 
     schedule = DHelixSchedule(dhelix_options(args))
 
@@ -48,13 +53,27 @@ def install(args) -> bool:
             _ORIGINAL.setdefault((mod.__name__, "get_forward_backward_func"),
                                  mod.get_forward_backward_func)
             mod.get_forward_backward_func = get_forward_backward_func
+    _install_spec(args, DHelixLayer)
+    return True
+
+
+def _install_spec(args, layer_module) -> None:
+    """megatron's local spec function (and Megatron-LM gpt_builders' copy of it) returns
+    DHelix's spec with `layer_module`; a block of layer specs ends with DHelix's `Norm`
+    (megatron's torch norm refuses sequence parallel)."""
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import transformer_block
+
+    from dhelix.megatron.spec import with_dhelix_layer
+    from dhelix.models.spec import Norm
+
     orig_local = _ORIGINAL.setdefault((gpt_layer_specs.__name__, "get_gpt_layer_local_spec"),
                                       gpt_layer_specs.get_gpt_layer_local_spec)
 
     @functools.wraps(orig_local)
     def local_spec(*a, **k):
-        return with_ring_attention(with_dhelix_layer(orig_local(*a, **k)),
-                                   getattr(args, "context_parallel_size", 1))
+        return with_dhelix_layer(orig_local(*a, **k), getattr(args, "context_parallel_size", 1),
+                                 layer_module)
     gpt_layer_specs.get_gpt_layer_local_spec = local_spec
     # Megatron-LM's gpt_builders imports the spec function by name: patch its copy too
     builders = sys.modules.get("gpt_builders")
@@ -62,7 +81,10 @@ def install(args) -> bool:
         _ORIGINAL.setdefault(("gpt_builders", "get_gpt_layer_local_spec"),
                              builders.get_gpt_layer_local_spec)
         builders.get_gpt_layer_local_spec = local_spec
-    return True
+    # the final norm megatron adds to a layer spec's block
+    _ORIGINAL.setdefault((transformer_block.__name__, "LayerNormImpl"),
+                         transformer_block.LayerNormImpl)
+    transformer_block.LayerNormImpl = Norm
 
 
 def uninstall() -> None:

@@ -1,7 +1,12 @@
-"""Layer specs for Megatron-LM's `--spec`: the DHelix layer in megatron's local spec.
+"""Layer specs for Megatron-LM: DHelix's one spec (`models/spec.py`), on every device.
 
-Older Megatron-LM imports the object named by `--spec`; newer versions call it. Both
-work: `dhelix_layer_spec` is a ModuleSpec, `get_dhelix_layer_spec` returns one.
+`get_dhelix_layer_spec` / `dhelix_layer_spec`: the DHelix layer on that spec (SDPA core
+attention, the one-node norm, megatron's linears and bias-dropout-add). `with_dhelix_layer`
+turns a megatron local spec (what the install hook intercepts) into it, refusing what the
+DHelix layer does not have. `get_local_sdpa_spec` / `local_sdpa_spec`: megatron's own
+TransformerLayer on the same spec — the baseline that compares the schedule alone, with
+the same kernels. Older Megatron-LM imports the object named by `--spec`; newer versions
+call it: both work.
 """
 from __future__ import annotations
 
@@ -9,50 +14,72 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from dhelix.models.spec import Norm, layer_spec
 from dhelix.strand.layer import DHelixLayer
 
 
-def with_dhelix_layer(spec):
-    """The same spec with megatron's TransformerLayer replaced by the DHelix layer
-    (a layer spec, or a block spec with its list of layer specs)."""
+class SpecError(ValueError):
+    """A megatron spec that DHelix's layer cannot stand in for."""
+
+
+def _args_of(args):
+    a = args[0] if args else None
+    return (getattr(a, "num_experts", None) or None,
+            getattr(a, "context_parallel_size", 1) or 1)
+
+
+def get_dhelix_layer_spec(*args, **kwargs) -> ModuleSpec:
+    """The DHelix layer spec, the same on every device. Called with Megatron's args, it
+    takes --num-experts and --context-parallel-size from them (the ring attention)."""
+    num_experts, cp = _args_of(args)
+    return layer_spec(DHelixLayer, num_experts, cp)
+
+
+def get_local_sdpa_spec(*args, **kwargs) -> ModuleSpec:
+    """megatron's TransformerLayer on DHelix's spec: the baseline with DHelix's kernels."""
+    num_experts, cp = _args_of(args)
+    return layer_spec(TransformerLayer, num_experts, cp)
+
+
+def _check_supported(spec: ModuleSpec) -> bool:
+    """Refuse what the DHelix layer lacks; return whether the MLP is an MoE block."""
+    from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    sa = spec.submodules.self_attention
+    if not (isinstance(sa, ModuleSpec) and isinstance(sa.module, type) and
+            issubclass(sa.module, SelfAttention)):
+        raise SpecError(f"--dhelix: self-attention {getattr(sa, 'module', sa)} is not "
+                        f"megatron's SelfAttention (multi-latent attention and other "
+                        f"variants are not DHelix ops yet)")
+    sub = sa.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        norm = getattr(sub, name, None)
+        if norm not in (None, IdentityOp):
+            raise SpecError(f"--dhelix: the layer has a {name} (--qk-layernorm); DHelix's "
+                            f"layer has none yet: drop --qk-layernorm")
+    mlp = spec.submodules.mlp
+    return "MoE" in getattr(getattr(mlp, "module", None), "__name__", "")
+
+
+def with_dhelix_layer(spec, context_parallel_size: int = 1, layer_module=DHelixLayer):
+    """DHelix's spec in place of a megatron layer spec (or of every layer of a block
+    spec, whose final norm becomes DHelix's `Norm`, which sequence parallel accepts):
+    the same layer structure (dense or MoE MLP, the ring with context parallel), DHelix's
+    kernels, `layer_module` as the layer (the DHelix layer, or megatron's for the
+    baseline)."""
     if isinstance(spec, TransformerBlockSubmodules):
         return TransformerBlockSubmodules(
-            layer_specs=[with_dhelix_layer(s) for s in spec.layer_specs],
-            layer_norm=spec.layer_norm)
+            layer_specs=[with_dhelix_layer(s, context_parallel_size, layer_module)
+                         for s in spec.layer_specs], layer_norm=Norm)
     if isinstance(spec, ModuleSpec) and isinstance(spec.module, type) and \
             issubclass(spec.module, TransformerLayer):
         if spec.module not in (TransformerLayer, DHelixLayer):
-            raise ValueError(f"--dhelix: layer class {spec.module.__name__} is not megatron's "
-                             f"TransformerLayer; DHelix replaces only that one")
-        return ModuleSpec(module=DHelixLayer, params=dict(spec.params or {}),
-                          submodules=spec.submodules)
-    return spec
-
-
-def get_dhelix_layer_spec(*args, normalization: str = None, **kwargs) -> ModuleSpec:
-    """Megatron's local GPT layer spec with the DHelix layer. On a machine without CUDA
-    the CPU-safe spec (torch norm with sequence parallel, SDPA core attention). With
-    --context-parallel-size > 1 (read from Megatron's args) the core attention is DHelix's
-    ring (megatron's local DotProductAttention refuses context parallel)."""
-    import torch
-    cp = getattr(args[0], "context_parallel_size", 1) if args else 1
-    if not torch.cuda.is_available():
-        from dhelix.models.spec import layer_spec
-        return layer_spec(DHelixLayer, context_parallel_size=cp)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    if normalization is None and args and hasattr(args[0], "normalization"):
-        normalization = args[0].normalization      # called with Megatron's args
-    return with_ring_attention(
-        with_dhelix_layer(get_gpt_layer_local_spec(normalization=normalization)), cp)
-
-
-def with_ring_attention(spec, context_parallel_size: int):
-    """With context parallel, the layer's core attention becomes DHelix's ring (megatron's
-    local DotProductAttention asserts CP = 1; its CP attention is Transformer Engine's)."""
-    if context_parallel_size > 1 and isinstance(spec, ModuleSpec):
-        from dhelix.models.ring_attention import RingAttention
-        spec.submodules.self_attention.submodules.core_attention = RingAttention
+            raise SpecError(f"--dhelix: layer class {spec.module.__name__} is not megatron's "
+                            f"TransformerLayer; DHelix replaces only that one")
+        moe = _check_supported(spec)
+        return layer_spec(layer_module, True if moe else None, context_parallel_size)
     return spec
 
 
 dhelix_layer_spec = get_dhelix_layer_spec()
+local_sdpa_spec = get_local_sdpa_spec()

@@ -1,10 +1,14 @@
-"""Layer specs built only from megatron-core modules plus two CPU-safe pieces.
+"""The one layer spec DHelix builds on every device: megatron-core modules plus two
+pieces of its own.
 
-megatron-core's local spec needs apex for a sequence-parallel norm and a CUDA buffer for
-its core attention. `Norm` (torch LayerNorm/RMSNorm math, marked sequence-parallel) and
-`SDPAttention` (scaled_dot_product_attention) replace them; everything else — linears,
-MLP, bias-dropout-add, the layer itself — is megatron-core's own. The layer module is a
-parameter so that the DHelix layer drops into the same spec.
+megatron-core's local spec needs apex for a sequence-parallel norm, and its core
+attention (`DotProductAttention`) keeps a full score tensor per head for backward. `Norm`
+(LayerNorm/RMSNorm as one autograd node, torch's fused kernel on CUDA, marked
+sequence-parallel) and `SDPAttention` (`scaled_dot_product_attention`: FlashAttention or
+cuDNN on CUDA, O(s) memory) replace them; everything else — linears, MLP,
+bias-dropout-add, the layer itself — is megatron-core's own. The layer module is a
+parameter: megatron's TransformerLayer on this spec is the baseline that compares the
+schedule alone, the DHelix layer drops into the same spec.
 """
 from __future__ import annotations
 
@@ -28,14 +32,25 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 
+def fused_norm_available(x: torch.Tensor) -> bool:
+    """torch's fused RMSNorm kernels (forward and backward) exist for CUDA tensors."""
+    return x.is_cuda and hasattr(torch.ops.aten, "_fused_rms_norm_backward")
+
+
 class _RMSNorm(torch.autograd.Function):
     """RMSNorm as one autograd node, as the fused norms of TE and apex are (torch's CPU
     rms_norm is a chain of small ops). One node means the input's gradient arrives as one
     tensor, so where the input is also a residual, its two gradients are summed in one
-    order whatever the schedule — what lets DHelix's node backward be bit-identical."""
+    order whatever the schedule — what lets DHelix's node backward be bit-identical.
+    On CUDA the node runs torch's fused kernels; on CPU the same math in plain ops."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, fused=None):
+        ctx.fused = fused_norm_available(x) if fused is None else fused
+        if ctx.fused:
+            y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
@@ -44,11 +59,15 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight, rstd = ctx.saved_tensors
+        if ctx.fused:
+            gx, gw = torch.ops.aten._fused_rms_norm_backward(
+                g.contiguous(), x, [x.shape[-1]], rstd, weight, [True, True])
+            return gx, gw, None, None
         xhat = x.float() * rstd
         gw = (g * xhat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
         gxhat = (g * weight).float()
         gx = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True))
-        return gx.to(x.dtype), gw, None
+        return gx.to(x.dtype), gw, None, None
 
 
 class Norm(torch.nn.Module):

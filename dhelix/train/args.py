@@ -28,6 +28,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron sequence parallelism (needs TP > 1)")
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and math (default fp32)")
+    g.add_argument("--layer-spec", choices=["dhelix", "megatron-local"], default="dhelix",
+                   help="dhelix (default, every run: SDPA core attention, a one-node norm, "
+                        "megatron's linears) or megatron-local (megatron's unfused local "
+                        "layer, megatron's schedule only: a baseline to time against)")
     g.add_argument("--seed", type=int, default=1234, help="random seed (default: %(default)s)")
     g.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
                    help="MoE: experts split over P ranks of the data-parallel group, tokens "
@@ -114,6 +118,7 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         data_parallel_size=a.data_parallel_size, sequence_parallel=a.sequence_parallel,
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
         seq_length=a.seq_length, train_iters=a.train_iters, seed=a.seed, bf16=a.bf16,
+        layer_spec=a.layer_spec,
         lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, data=data,
         data_path=a.data_path, overlap_grad_reduce=a.overlap_grad_reduce,
         eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json,

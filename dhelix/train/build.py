@@ -40,10 +40,13 @@ def _gpt(cfg, m, tconfig, chunk: Chunk, layer_module, vp_stage, share: bool):
     from megatron.core.models.gpt import GPTModel
 
     from dhelix.models.spec import block_spec
+    spec = block_spec(len(chunk.layers), layer_module, m.num_experts,
+                      tconfig.context_parallel_size)
+    if cfg.layer_spec == "megatron-local":     # the unfused baseline, timed against
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        spec = get_gpt_layer_local_spec(normalization=tconfig.normalization)
     model = GPTModel(
-        config=tconfig, transformer_layer_spec=block_spec(len(chunk.layers), layer_module,
-                                                          m.num_experts,
-                                                          tconfig.context_parallel_size),
+        config=tconfig, transformer_layer_spec=spec,
         vocab_size=m.vocab_size,
         max_sequence_length=max(cfg.seq_length, m.max_position_embeddings),
         pre_process=chunk.pre_process, post_process=chunk.post_process, parallel_output=True,

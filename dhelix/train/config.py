@@ -31,6 +31,7 @@ class TrainConfig:
     train_iters: int = 20
     seed: int = 1234
     bf16: bool = False
+    layer_spec: str = "dhelix"                   # dhelix | megatron-local (baseline only)
     lr: float = 1e-3
     weight_decay: float = 0.0
     clip_grad: float = 0.0
@@ -95,6 +96,14 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
                           f"× --pipeline-model-parallel-size {pp}")
     dp = world // (tp * pp * cp)
     _check_context_parallel(cfg, m, cp)
+    if cfg.layer_spec not in ("dhelix", "megatron-local"):
+        raise ConfigError(f"--layer-spec {cfg.layer_spec}: use dhelix or megatron-local")
+    if cfg.layer_spec == "megatron-local" and (cfg.dhelix.get("enabled") or
+                                                cfg.sequence_parallel or cp > 1 or
+                                                m.num_experts or cfg.num_experts):
+        raise ConfigError("--layer-spec megatron-local (megatron's unfused local layer, to "
+                          "time against) runs megatron's schedule only, without sequence "
+                          "parallel, context parallel or experts; DHelix runs its own spec")
     fold_layers = bool(cfg.dhelix.get("fold"))
     vpp = 1
     if fold_layers:
