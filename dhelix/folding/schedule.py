@@ -226,6 +226,7 @@ def _forward_only(steps, pipe, batches, G, g, N, store):
     """Evaluation: every micro-batch down through the front chunks and back up; each
     message a batch of its own, posted in time order on every stage."""
     from megatron.core.pipeline_parallel import schedules as ms
+    turn = None                   # the last stage: its front output is its back input
     for m in range(N):
         for c in (0, 1):
             it = ("F", c, m)
