@@ -56,7 +56,7 @@ ML="ML_TIMEOUT=0 LOGDIR=\$T bash scripts/gpu_megatron_lm.sh"
 # NAME | TIMEOUT_S | OPTIONS | COMMAND     ($T: scratch outside $OUT; '-': a builtin, no timeout)
 PLAN="
 setup              | 45 | required gpus=0 | bash scripts/gpu_check.sh --setup
-lanes              | 30 |                 | CUDA_DEVICE_MAX_CONNECTIONS=32 python3 scripts/gpu_lanes_check.py lanes
+lanes              | 30 |                 | CUDA_DEVICE_MAX_CONNECTIONS=32 python3 scripts/gpu_lanes_check.py
 fp32/base          | 40 |                 | \$FP32 --json \$T/fp32-base.json
 fp32/dhelix        | 40 | keep=trace.json,trace.png | \$FP32 --dhelix --json \$T/fp32-dhelix.json --dhelix-trace \$T/trace.json
 fp32/compare       | -  | after=fp32/base,fp32/dhelix | @compare \$T/fp32-base.json \$T/fp32-dhelix.json 1e-5
@@ -88,4 +88,4 @@ cp2/base           | 90 | extra gpus=2 | \$FP32 --nproc 2 --context-parallel-siz
 cp2/dhelix         | 90 | extra gpus=2 | \$FP32 --nproc 2 --context-parallel-size 2 --dhelix --json \$T/cp2-dhelix.json
 cp2/compare        | -  | extra after=cp2/base,cp2/dhelix | @compare \$T/cp2-base.json \$T/cp2-dhelix.json 1e-5
 "
-exec python3 scripts/gpu_lanes_check.py run --budget "${GPU_CHECK_BUDGET:-540}" "$@" <<<"$PLAN"
+exec python3 scripts/gpu_check_run.py run --budget "${GPU_CHECK_BUDGET:-540}" "$@" <<<"$PLAN"

@@ -66,7 +66,7 @@ case "${1:-both}" in
   both)
     run megatron; a=$?
     run dhelix --dhelix; b=$?
-    python3 scripts/gpu_lanes_check.py compare-logs "$logdir/megatron-lm-megatron.log" \
+    python3 scripts/gpu_check_run.py compare-logs "$logdir/megatron-lm-megatron.log" \
       "$logdir/megatron-lm-dhelix.log" 2e-2 && [ $a = 0 ] && [ $b = 0 ] ;;
   *) echo "usage: $0 [both|megatron|sdpa|dhelix]" >&2; exit 2 ;;
 esac

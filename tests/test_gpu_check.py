@@ -1,4 +1,4 @@
-"""scripts/gpu_check.sh and its runner (scripts/gpu_lanes_check.py), on CPU: the scripts
+"""scripts/gpu_check.sh, its plan and runner (scripts/gpu_check_plan.py, gpu_check_run.py), on CPU: the scripts
 parse, the plan fits the lent machine (the worst case within 540 s, at most 8 files
 back), and the runner's budget, timeouts, hang stop (SIGABRT with a faulthandler dump),
 skips and summary work on synthetic plans of shell commands. No GPU check runs here, and
@@ -17,17 +17,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "scripts")
 LANES = os.path.join(SCRIPTS, "gpu_lanes_check.py")
+RUNNER = os.path.join(SCRIPTS, "gpu_check_run.py")
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_lanes_check", LANES)
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(SCRIPTS, name + ".py"))
     m = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_lanes_check"] = m      # dataclasses look their module up
+    sys.modules[name] = m      # dataclasses look their module up
     spec.loader.exec_module(m)
     return m
 
 
-gc = _module()
+gc = _module("gpu_check_plan")
 
 
 def _plan(*extra, env=None):
@@ -40,7 +41,7 @@ def _plan(*extra, env=None):
 
 def _run(plan, tmp_path, *args, timeout=60):
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, LANES, "run", "--out", str(out), "--gpus", "1", *args],
+    r = subprocess.run([sys.executable, RUNNER, "run", "--out", str(out), "--gpus", "1", *args],
                        input=plan, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     summary = json.loads((out / "summary.json").read_text())
     return r, summary, {s["name"]: s for s in summary["steps"]}, sorted(os.listdir(out))
@@ -77,7 +78,7 @@ def test_plan_fits_the_lent_machine():
     for s in p["steps"]:
         assert (s["timeout_s"] is None) == s["command"].startswith("@"), s
     by = {s["name"]: s for s in p["steps"]}
-    assert "gpu_lanes_check.py lanes" in by["lanes"]["command"]
+    assert "gpu_lanes_check.py" in by["lanes"]["command"]
     assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in by["lanes"]["command"]
     assert "gpu_megatron_lm.sh" in by["megatron-lm/dhelix"]["command"]
     assert by["setup"]["required"] and by["setup"]["gpus"] == 0
@@ -217,7 +218,7 @@ def test_runner_caps_the_files_it_leaves(tmp_path):
 def test_runner_interrupted_leaves_a_summary(tmp_path):
     """SIGTERM from outside: the running step's group is killed and the summary says so."""
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, LANES, "run", "--out", str(out), "--gpus", "1"],
+    p = subprocess.Popen([sys.executable, RUNNER, "run", "--out", str(out), "--gpus", "1"],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     p.stdin.write("long | 60 | | sleep 60\n")
     p.stdin.close()
@@ -236,7 +237,7 @@ def test_lanes_check_skips_without_cuda():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is here: the lanes check belongs to scripts/gpu_check.sh")
-    r = subprocess.run([sys.executable, LANES, "lanes"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, LANES], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert r.returncode == 77, r.stderr
     res = json.loads(re.search(r"^RESULT (.*)$", r.stdout, re.M).group(1))
