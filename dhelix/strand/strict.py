@@ -100,7 +100,6 @@ class _Op:
         self.finished = threading.Event()
         self.error: Optional[BaseException] = None
         self.t_done: Optional[float] = None
-        self.group = 0
 
     def check(self, when: str):
         for i in self.inputs:
@@ -120,7 +119,7 @@ class _Op:
         return f"{self.name}" + (f" ({self.peer_text})" if self.peer_text else "")
 
 
-_IN_FLIGHT: Dict[int, Dict[int, "_Op"]] = {}     # id(group) -> {id(op): op} not waited for
+_INSTANCES: "weakref.WeakSet[StrictLanes]" = weakref.WeakSet()   # what the guard asks
 _GUARDED = False
 
 
@@ -137,10 +136,11 @@ def _guard_collectives() -> None:
 
     def wrap(orig, name):
         def method(self, *a, **k):
-            ops = _IN_FLIGHT.get(id(self))
-            if ops and not isinstance(threading.current_thread(), LaneWorker) and \
-                    not threading.current_thread().name.startswith("dhelix-lane-"):
-                names = ", ".join(sorted({o.name for o in list(ops.values())}))
+            # lane threads (workers and their P2P helpers) are named dhelix-lane-*
+            names = "" if threading.current_thread().name.startswith("dhelix-lane-") else \
+                ", ".join(sorted({p.op for lanes in list(_INSTANCES)
+                                  for p in list(lanes._in_flight.get(id(self), {}).values())}))
+            if names:
                 raise StrictLaneError(
                     f"a {name} on a process group whose lane still has {names} in flight: "
                     f"on NCCL the two may run in either order, and in different orders on "
@@ -167,6 +167,7 @@ class StrictLanes(Lanes):
         self.workers: Dict[str, LaneWorker] = {}
         self._posted: Dict[Tuple[int, int, str], int] = {}   # (group, peer, dir) -> count
         _guard_collectives()
+        _INSTANCES.add(self)
 
     # ---- issue ---------------------------------------------------------------------------
     def _worker(self, lane: str) -> LaneWorker:
@@ -184,8 +185,6 @@ class StrictLanes(Lanes):
             if t.requires_grad:
                 raise StrictLaneError(f"{op.name}: an input of a comm op requires grad; a "
                                       f"lane only moves data and never touches autograd")
-        op.group = id(group)
-        _IN_FLIGHT.setdefault(op.group, {})[id(op)] = op
         w.q.put(op)
         return self._track(Pending(op.name, out, op, keep=op.keep), group)
 
@@ -233,7 +232,6 @@ class StrictLanes(Lanes):
         if op.error is not None:
             raise StrictLaneError(f"{op.name} failed on its lane: {op.error}") from op.error
         op.check("when it was waited for")
-        _IN_FLIGHT.get(op.group, {}).pop(id(op), None)
         self._untrack(p)
         p.done, p.keep = True, ()
         p.t_done = op.t_done
@@ -275,6 +273,7 @@ def _ready_tag(k: int) -> int:
 
 
 def _header(t: torch.Tensor, tag: int) -> torch.Tensor:
+    # on the host: strict lanes are gloo only (make_lanes refuses them on CUDA)
     return torch.tensor([tag, t.numel(), _DTYPES.get(t.dtype, 0)], dtype=torch.int64)
 
 
