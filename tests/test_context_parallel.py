@@ -6,7 +6,7 @@ import pytest
 
 from dhelix.models.config import ConfigError
 from dhelix.testing import run_ranks
-from test_schedule import assert_same_training
+from compare import same_runs
 from train_fns import train_result
 
 STEPS = 10
@@ -92,7 +92,7 @@ def test_dhelix_equals_cp_baseline_for_random_plans(tmp_path, tp, cp, seeds):
         plan = _random_plan(tmp_path, seed, tp, tp > 1, cp)
         dh = _train(tp * cp, dhelix={"enabled": True, "plan": plan}, **kw)
         assert dh[0]["config"]["schedule"] == "dhelix"
-        assert assert_same_training(base, dh) == 0.0
+        assert same_runs(dh, base) == 0.0
 
 
 def test_cp_layouts_are_checked(tmp_path):

@@ -3,8 +3,8 @@
 Every comparison is of two whole training runs from the same seed and data: the losses,
 a checksum of every parameter's gradient at every step (megatron DDP's main_grad, after
 the data-parallel reduction) and of the final weights, on every rank, fp32. The math is
-the same as megatron's, so every number must be equal bit for bit (tolerance 0); the
-comparison helper also enforces the 1e-6 bound for anyone who loosens that.
+the same as megatron's, so every number must be equal bit for bit (`compare.same_runs`
+with tolerance 0: `==` on every loss and checksum, a NaN fails).
 """
 import argparse
 import functools
@@ -13,10 +13,10 @@ import json
 import pytest
 
 from dhelix.testing import run_ranks
+from compare import same_runs
 from train_fns import train_result
 
 STEPS = 20
-TOL = 1e-6
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,35 +28,6 @@ def _runs(world, dhelix, **kw):
     base = _baseline(world, tuple(sorted(kw.items())))
     dh = run_ranks(train_result, world, timeout=600, checksums=True, dhelix=dhelix, **kw)
     return base, dh
-
-
-def assert_same_training(base, dh, tol=TOL):
-    """Per rank: losses, every step's gradient checksums, final weight checksums.
-    Returns the worst relative difference seen (0.0 = bit-identical)."""
-    worst = 0.0
-
-    def close(a, b, scale, what):
-        nonlocal worst
-        d = abs(a - b) / max(abs(scale), 1e-30)
-        worst = max(worst, d)
-        assert d <= tol, f"{what}: baseline {a!r} vs dhelix {b!r} (rel {d:.2e})"
-
-    def sums(a, b, what):
-        assert a.keys() == b.keys(), f"{what}: different parameters"
-        for name in a:
-            (s1, q1), (s2, q2) = a[name], b[name]
-            close(s1, s2, max(abs(s1), q1 ** 0.5), f"{what} {name} sum")
-            close(q1, q2, q1, f"{what} {name} sum of squares")
-
-    for rank, (r1, r2) in enumerate(zip(base, dh)):
-        assert len(r1["losses"]) == len(r2["losses"])
-        for i, (x, y) in enumerate(zip(r1["losses"], r2["losses"])):
-            close(x, y, x, f"rank {rank} step {i + 1} loss")
-        assert len(r1["grad_checksums"]) == len(r2["grad_checksums"])
-        for i, (g1, g2) in enumerate(zip(r1["grad_checksums"], r2["grad_checksums"])):
-            sums(g1, g2, f"rank {rank} step {i + 1} grad")
-        sums(r1["weight_checksums"], r2["weight_checksums"], f"rank {rank} final weight")
-    return worst
 
 
 def _random_plan(tmp_path, config, seed, mbs):
@@ -74,7 +45,7 @@ def test_tp2_sp_matches_baseline(nmb):
     assert dh[0]["config"]["schedule"] == "dhelix"
     assert base[0]["config"]["schedule"] == "megatron"
     assert dh[0]["config"]["num_microbatches"] == nmb
-    assert assert_same_training(base, dh) == 0.0
+    assert same_runs(dh, base) == 0.0
     assert dh[0]["eval_loss"] == base[0]["eval_loss"]
 
 
@@ -88,7 +59,7 @@ def test_tp2_dp2_matches_baseline(tmp_path, nmb, plan_seed):
         opts["plan"] = _random_plan(tmp_path, "tiny", plan_seed, 1)
     base, dh = _runs(4, opts, **kw)
     assert dh[0]["config"]["data_parallel_size"] == 2
-    assert assert_same_training(base, dh) == 0.0
+    assert same_runs(dh, base) == 0.0
 
 
 def test_overlap_grad_reduce_untied_llama_is_bit_identical(tmp_path):
@@ -98,7 +69,7 @@ def test_overlap_grad_reduce_untied_llama_is_bit_identical(tmp_path):
               train_iters=STEPS, micro_batch_size=1, global_batch_size=6,
               overlap_grad_reduce=True)
     base, dh = _runs(4, {"enabled": True}, **kw)
-    assert assert_same_training(base, dh) == 0.0
+    assert same_runs(dh, base) == 0.0
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -107,7 +78,7 @@ def test_random_plans_train_like_baseline(tmp_path, seed):
               train_iters=STEPS, global_batch_size=6)
     plan = _random_plan(tmp_path, "tiny-llama", seed, 2)
     base, dh = _runs(2, {"enabled": True, "plan": plan}, **kw)
-    assert assert_same_training(base, dh) == 0.0
+    assert same_runs(dh, base) == 0.0
 
 
 def test_node_schedule_invariants():

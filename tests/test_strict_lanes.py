@@ -8,7 +8,7 @@ import pytest
 
 from dhelix.testing import RankError, run_ranks
 import strict_fns as F
-from test_schedule import assert_same_training
+from compare import same_runs
 from train_fns import train_result
 
 
@@ -83,4 +83,4 @@ def test_plain_gloo_lanes_still_train_like_megatron():
               train_iters=3, global_batch_size=6, checksums=True, env={"DHELIX_LANES": "cpu"})
     base = run_ranks(train_result, 2, timeout=300, **kw)
     dh = run_ranks(train_result, 2, timeout=300, dhelix={"enabled": True}, **kw)
-    assert assert_same_training(base, dh) == 0.0
+    assert same_runs(dh, base) == 0.0

@@ -13,7 +13,7 @@ import statistics
 import time
 from dataclasses import asdict
 from functools import partial
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -256,6 +256,12 @@ def train(cfg: TrainConfig) -> dict:
         "idle_share_per_stage": idle_per_stage,
         "peak_rss_bytes": peak_rss_bytes(),
         "memory_method": memory.method,
+        # where this rank sits, so that tests merge pipeline stages by TP position
+        "coords": {"tp": parallel_state.get_tensor_model_parallel_rank(),
+                   "cp": parallel_state.get_context_parallel_rank(),
+                   "pp": parallel_state.get_pipeline_model_parallel_rank(),
+                   "dp": dp_rank},
+        "link": _link_stats(),
     }
     if cfg.checksums:
         result["grad_checksums"] = grad_sums
@@ -270,6 +276,17 @@ def train(cfg: TrainConfig) -> dict:
         with open(cfg.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def _link_stats() -> Optional[dict]:
+    """What the paced link did in this process (None without one): collectives it paced,
+    their modelled seconds, and the seconds their waits slept past the data's arrival."""
+    from dhelix.links.paced import active
+    link = active()
+    if link is None:
+        return None
+    return {"collectives": link.count, "modelled_s": link.modelled_s,
+            "waited_s": link.waited_s}
 
 
 def _per_stage(value, device, dtype=torch.int64) -> list:
