@@ -93,14 +93,13 @@ def earliest_wgrad_plan(ops):
                 [o.name for o in ops.backward], steps, {"made_by": "earliest-wgrad"})
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5):
-    """Returns worst relative error vs megatron and whether all plans are bit-identical
-    to the trivial plan."""
+def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5, tol=0.0):
+    """The trivial, paired and earliest-wgrad plans and `nplans` random legal ones, each
+    against megatron's layer on this rank (`compare.same_tensors`: α's output, β's input
+    grad, every parameter grad, no name missing or extra, nothing non-finite, within
+    `tol`; 0.0 = bit-identical), and against the first plan bit for bit (plans only
+    reorder). Raises `compare.Mismatch` naming the plan; returns counts."""
+    from compare import Mismatch, same_tensors
     from dhelix.planner.enumerate import random_legal_plan
     from dhelix.planner.plan import paired_plan, trivial_plan
     import random
@@ -110,31 +109,33 @@ def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5):
     x_b = inputs(cfg, seq, mbs, seed + 2, sp)
     g_b = inputs(cfg, seq, mbs, seed + 3, sp)
     r_out, r_gx, r_grads = reference(ref, x_a, x_b, g_b, rope)
+    want = {"output": r_out, "input grad": r_gx, **r_grads}
     ops = dh.program.layer_ops(seq, mbs)
     rng = random.Random(seed)
-    plans = [trivial_plan(ops), paired_plan(ops), earliest_wgrad_plan(ops)] + \
-        [random_legal_plan(ops, rng) for _ in range(nplans)]
-    worst = 0.0
-    base = None
-    identical = True
-    for plan in plans:
+    plans = [("trivial", trivial_plan(ops)), ("paired", paired_plan(ops)),
+             ("earliest-wgrad", earliest_wgrad_plan(ops))] + \
+        [(f"random #{i}", random_legal_plan(ops, rng)) for i in range(nplans)]
+    first = None
+    for name, plan in plans:
         out, gx, grads = dhelix_step(dh, plan, x_a, x_b, g_b, rope, seq, mbs)
-        errs = [rel(out, r_out), rel(gx, r_gx)] + [rel(grads[n], r_grads[n]) for n in r_grads]
-        worst = max(worst, max(errs))
-        flat = [out, gx] + [grads[n] for n in sorted(grads)]
-        if base is None:
-            base = flat
-        else:
-            identical &= all(torch.equal(a, b) for a, b in zip(flat, base))
-    missing = sorted(set(r_grads) - set(grads))
-    return {"worst_rel": worst, "identical": identical, "nplans": len(plans),
-            "missing_grads": missing, "num_ops": (len(ops.forward), len(ops.backward))}
+        got = {"output": out, "input grad": gx, **grads}
+        try:
+            same_tensors(got, want, tol, "vs megatron:")
+            same_tensors(got, first or got, 0.0, f"vs the {plans[0][0]} plan:")
+        except Mismatch as e:
+            raise Mismatch(f"{config} TP={tp} SP={sp}, plan {name} "
+                           f"({len(plan.steps)} steps): {e}") from None
+        first = first or got
+    return {"nplans": len(plans), "distinct": len({p.digest() for _, p in plans}),
+            "ngrads": len(r_grads), "num_ops": (len(ops.forward), len(ops.backward))}
 
 
-def check_node_path(config="tiny", tp=2, sp=True, seq=16, mbs=2, seed=5, tiles=1):
-    """A layer node (forward on a detached input, explicit backward) vs megatron's layer:
-    output, input grad, and parameter .grad that arrived through AccumulateGrad. With
-    tiles=2: the intra-batch peer's two batch halves, round-robin."""
+def check_node_path(config="tiny", tp=2, sp=True, seq=16, mbs=2, seed=5, tiles=1, tol=0.0):
+    """A layer node (forward on a detached input, explicit backward) vs megatron's layer
+    on this rank: output, input grad, and every parameter's .grad that arrived through
+    AccumulateGrad (`compare.same_tensors` within `tol`; none missing). With tiles=2: the
+    intra-batch peer's two batch halves, round-robin. Returns the worst difference."""
+    from compare import same_tensors
     from dhelix.planner.plan import paired_plan
     from dhelix.strand.executor import run_layer_step, run_tiles
     from dhelix.strand.lanes import make_lanes
@@ -164,37 +165,50 @@ def check_node_path(config="tiny", tp=2, sp=True, seq=16, mbs=2, seed=5, tiles=1
         run_tiles(dh.program, node.states, "bwd")
     gx = node.finish_backward()
     emb.backward(gx)                      # the pre-process node's part
-    errs = {"out": rel(out_d, out_r), "gx": rel(xd.grad, xr.grad)}
-    refp = dict(ref.named_parameters())
-    for n, p in dh.named_parameters():
-        errs[n] = rel(p.grad, refp[n].grad)
-    return errs
+    got = {"output": out_d, "input grad": xd.grad,
+           **{n: p.grad for n, p in dh.named_parameters() if p.grad is not None}}
+    want = {"output": out_r, "input grad": xr.grad,
+            **{n: p.grad for n, p in ref.named_parameters()}}
+    return same_tensors(got, want, tol, f"{config} SP={sp} tiles={tiles} node path:")
+
+
+def tensors_of(sd) -> dict:
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
 def state_dict_roundtrip(config="tiny", tp=2, sp=True):
-    """DHelix layer -> megatron layer -> DHelix layer, unchanged; same sharded keys."""
+    """A freshly built DHelix layer has megatron's state-dict keys and shapes and its
+    sharded-state-dict keys; DHelix -> megatron -> DHelix through strict loads gives back
+    every tensor bit for bit, into layers initialised otherwise (so a key a load skipped
+    would show). Raises `compare.Mismatch`; returns the number of keys."""
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer
+    from compare import Mismatch, same_tensors
     from dhelix.models.spec import layer_spec
     from dhelix.strand.layer import DHelixLayer
 
     ref, dh, cfg, _ = setup_layer(config, tp, sp)
     torch.manual_seed(99)
     dh2 = build_module(layer_spec(DHelixLayer), config=cfg, layer_number=1)
-    sd = dh.state_dict()
     ref2 = build_module(layer_spec(TransformerLayer), config=cfg, layer_number=1)
-    ref2.load_state_dict(sd, strict=True)
+    shapes = lambda sd: {k: torch.zeros(v.shape) for k, v in tensors_of(sd).items()}  # noqa
+    same_tensors(shapes(dh2.state_dict()), shapes(ref2.state_dict()), 0.0,
+                 "fresh DHelix vs megatron state-dict keys/shapes:")
+    if sorted(dh2.state_dict()) != sorted(ref2.state_dict()):
+        raise Mismatch("non-tensor state-dict entries differ: "
+                       f"{sorted(set(dh2.state_dict()) ^ set(ref2.state_dict()))}")
+    sd = tensors_of(dh.state_dict())
+    if all(torch.equal(sd[k], v) for k, v in tensors_of(ref2.state_dict()).items()):
+        raise Mismatch("megatron's fresh layer already equals the DHelix one: "
+                       "the round trip would prove nothing")
+    ref2.load_state_dict(dh.state_dict(), strict=True)
     dh2.load_state_dict(ref2.state_dict(), strict=True)
-    def eq(a, b):
-        if isinstance(a, torch.Tensor):
-            return isinstance(b, torch.Tensor) and torch.equal(a, b)
-        return a == b
-    same = all(eq(sd[k], v) for k, v in dh2.state_dict().items())
-    keys_equal = sorted(sd) == sorted(ref2.state_dict())
-    sh_d = sorted(dh.sharded_state_dict().keys())
-    sh_r = sorted(ref.sharded_state_dict().keys())
-    return {"same": same, "keys_equal": keys_equal, "sharded_keys_equal": sh_d == sh_r,
-            "nkeys": len(sd)}
+    same_tensors(tensors_of(ref2.state_dict()), sd, 0.0, "DHelix -> megatron:")
+    same_tensors(tensors_of(dh2.state_dict()), sd, 0.0, "DHelix -> megatron -> DHelix:")
+    sh_d, sh_r = sorted(dh.sharded_state_dict()), sorted(ref.sharded_state_dict())
+    if sh_d != sh_r:
+        raise Mismatch(f"sharded-state-dict keys differ: {sorted(set(sh_d) ^ set(sh_r))}")
+    return len(sd)
 
 
 def different_plans_on_ranks():

@@ -31,8 +31,9 @@ def unbalanced_moe_layer():
             "x_grad": float(x.grad.abs().sum())}
 
 
-def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2, shared=None):
-    """megatron's MoE TransformerLayer and the DHelix layer with identical weights."""
+def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2, shared=None, load=True):
+    """megatron's MoE TransformerLayer and the DHelix layer (another seed), with
+    megatron's weights loaded into it unless `load` is False."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -59,51 +60,60 @@ def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2, shared=None):
     ref = build_module(layer_spec(TransformerLayer, m.num_experts), config=cfg, layer_number=1)
     torch.manual_seed(seed + 1)
     dh = build_module(layer_spec(DHelixLayer, m.num_experts), config=cfg, layer_number=1)
-    dh.load_state_dict(ref.state_dict())
+    if load:
+        dh.load_state_dict(ref.state_dict(), strict=True)
     rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0,
                            use_cpu_initialization=True)(seq)
     return ref, dh, cfg, rope
 
 
 def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=False,
-                      shared=None):
+                      shared=None, tol=0.0):
     """The DHelix MoE layer under the trivial, paired and `plans` random legal plans vs
-    megatron's MoE layer: α's output, β's input grad, every parameter grad. With
-    `zero_router` every token ties and goes to the same two experts (one EP rank)."""
+    megatron's MoE layer on this rank (`compare.same_tensors` within `tol`, 0.0 = bit for
+    bit): α's output, β's input grad, every parameter grad, none missing or extra. Before
+    that: a fresh DHelix MoE layer has megatron's state-dict keys and shapes and sharded
+    keys. With `zero_router` every token ties and goes to the same two experts (one EP
+    rank). Raises `compare.Mismatch` naming the plan."""
     import random
 
     import torch
-    from layer_fns import dhelix_step, inputs, reference
+    from compare import Mismatch, same_tensors
+    from layer_fns import dhelix_step, inputs, reference, tensors_of
 
     from dhelix.planner.enumerate import random_legal_plan
     from dhelix.planner.plan import paired_plan, trivial_plan
-    ref, dh, cfg, rope = setup_moe_layer(tp, ep, seq=seq, mbs=mbs, shared=shared)
+    ref, dh, cfg, rope = setup_moe_layer(tp, ep, seq=seq, mbs=mbs, shared=shared,
+                                         load=False)
+    shapes = lambda m: {k: torch.zeros(v.shape) for k, v in  # noqa: E731
+                        tensors_of(m.state_dict()).items()}
+    same_tensors(shapes(dh), shapes(ref), 0.0, "fresh DHelix vs megatron MoE state dict:")
+    if sorted(ref.sharded_state_dict()) != sorted(dh.sharded_state_dict()):
+        raise Mismatch("sharded-state-dict keys differ: " + str(sorted(
+            set(ref.sharded_state_dict()) ^ set(dh.sharded_state_dict()))))
+    dh.load_state_dict(ref.state_dict(), strict=True)
     if zero_router:
         with torch.no_grad():
             for layer in (ref, dh):
                 layer.mlp.router.weight.zero_()
-    sd_ref, sd_dh = ref.state_dict(), dh.state_dict()
-    state_dict_same = list(sd_ref) == list(sd_dh) and all(
-        torch.equal(sd_ref[k], sd_dh[k]) for k in sd_ref if torch.is_tensor(sd_ref[k]))
-    sharded_same = sorted(ref.sharded_state_dict().keys()) == \
-        sorted(dh.sharded_state_dict().keys())
     sp = tp > 1
     x_a, x_b = inputs(cfg, seq, mbs, seed, sp), inputs(cfg, seq, mbs, seed + 1, sp)
     g_b = inputs(cfg, seq, mbs, seed + 2, sp)
     out_ref, gx_ref, grads_ref = reference(ref, x_a, x_b, g_b, rope)
+    want = {"output": out_ref, "input grad": gx_ref, **grads_ref}
     ops = dh.program.layer_ops(seq, mbs)
     rng = random.Random(seed)
-    all_plans = [trivial_plan(ops), paired_plan(ops)] + \
-        [random_legal_plan(ops, rng) for _ in range(plans)]
-    worst = 0.0
-    for plan in all_plans:
+    all_plans = [("trivial", trivial_plan(ops)), ("paired", paired_plan(ops))] + \
+        [(f"random #{i}", random_legal_plan(ops, rng)) for i in range(plans)]
+    for name, plan in all_plans:
         out, gx, grads = dhelix_step(dh, plan, x_a, x_b, g_b, rope, seq, mbs)
-        pairs = [(out, out_ref), (gx, gx_ref)] + [(grads[n], grads_ref[n]) for n in grads_ref]
-        assert set(grads) == set(grads_ref), sorted(set(grads_ref) ^ set(grads))
-        for a, b in pairs:
-            worst = max(worst, float((a - b).abs().max() / (b.abs().max() + 1e-30)))
-    return {"worst": worst, "plans": len(all_plans), "state_dict_same": state_dict_same,
-            "sharded_same": sharded_same, "n_grads": len(grads_ref),
+        try:
+            same_tensors({"output": out, "input grad": gx, **grads}, want, tol,
+                         f"MoE TP={tp} EP={ep}, plan {name}:")
+        except Mismatch as e:
+            raise Mismatch(f"{e} ({len(plan.steps)} steps)") from None
+    return {"plans": len(all_plans), "distinct": len({p.digest() for _, p in all_plans}),
+            "n_grads": len(grads_ref),
             "a2a": [o.name for o in ops.forward + ops.backward if o.collective == "all_to_all"]}
 
 
@@ -146,8 +156,8 @@ def strict_moe_layer_matches(broken=None, **kw):
 def interleaved_moe_forwards(broken=None, tp=1, ep=2, seq=16, mbs=2, seed=5):
     """Two strands' forwards of one DHelix MoE layer interleaved at the permute: α up to
     its permute, β up to its permute (the dispatcher's routing and d2h event now β's),
-    then the rest of α, then the rest of β. Returns each output's largest relative
-    difference to megatron's MoE layer on the same input; with `broken` (a
+    then the rest of α, then the rest of β. Each output equals megatron's MoE layer's on
+    the same input bit for bit (else `compare.Mismatch`; returns 0.0); with `broken` (a
     `without_d2h_sync` variant) the error raised, as text."""
     import torch
     from layer_fns import inputs
@@ -188,8 +198,9 @@ def interleaved_moe_forwards(broken=None, tp=1, ep=2, seq=16, mbs=2, seed=5):
         return str(e)
     if broken is not None:
         return None
-    return {k: float((states[k].get("out") - want[k]).abs().max() / want[k].abs().max())
-            for k in xs}
+    from compare import same_tensors
+    return same_tensors({k: states[k].get("out") for k in xs}, want, 0.0,
+                        "interleaved forwards vs megatron:")
 
 
 def shared_experts_racing_the_lane(**kw):
