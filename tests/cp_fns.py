@@ -36,11 +36,15 @@ def ring_core_errors(seq=48, b=2, heads=4, groups=2, hn=8):
         [(a.grad - rows(r.grad)).abs().max().item() for a, r in zip(loc, ref)]
 
 
-def layer_errors(config, tp, sp, cp, seq, mbs, plan_seed):
-    """Megatron's layer and the DHelix layer at TP×CP (ring attention; the DHelix one run
-    by a random legal plan, α forward ∥ β backward) against megatron's layer at CP = 1 on
-    the whole sequence, same weights: max relative error of the output, the input
-    gradient and every parameter gradient (summed over the CP group)."""
+def layer_check(config, tp, sp, cp, seq, mbs, nplans, seed=1, tol=1e-5):
+    """Megatron's layer and the DHelix layer at TP×CP (ring attention) against megatron's
+    layer at CP = 1 on the whole sequence, same weights, on this rank (`compare`): the
+    output, the input gradient and every parameter gradient (summed over the CP group),
+    none missing, within `tol` (the ring adds the chunks' softmax-weighted parts in
+    another order than one attention over the whole sequence does). The DHelix layer runs
+    α forward ∥ β backward under the trivial, the paired and `nplans` random legal plans,
+    each equal bit for bit to megatron's layer with the same ring (before the CP sum).
+    Raises `compare.Mismatch` naming the plan; returns the ring ops and the plan count."""
     import dataclasses
     import random
 
@@ -51,11 +55,13 @@ def layer_errors(config, tp, sp, cp, seq, mbs, plan_seed):
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     import layer_fns
+    from compare import Mismatch, same_tensors
     from dhelix.compat import cpu as cpu_compat
     from dhelix.models.config import load_model_config
     from dhelix.models.gpt import transformer_config
     from dhelix.models.spec import layer_spec
     from dhelix.planner.enumerate import random_legal_plan
+    from dhelix.planner.plan import paired_plan, trivial_plan
     from dhelix.strand.layer import DHelixLayer
     from dhelix.train.trainer import cp_chunks
 
@@ -74,8 +80,8 @@ def layer_errors(config, tp, sp, cp, seq, mbs, plan_seed):
                         layer_number=1)
     dh = build_module(layer_spec(DHelixLayer, context_parallel_size=cp), config=cfg,
                       layer_number=1)
-    base.load_state_dict(ref.state_dict())
-    dh.load_state_dict(ref.state_dict())
+    base.load_state_dict(ref.state_dict(), strict=True)
+    dh.load_state_dict(ref.state_dict(), strict=True)
     rope_full = rope = None
     if m.position_embedding_type == "rope":
         emb = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0,
@@ -85,6 +91,7 @@ def layer_errors(config, tp, sp, cp, seq, mbs, plan_seed):
     r = parallel_state.get_context_parallel_rank()
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cp_group = parallel_state.get_context_parallel_group()
 
     def shard(t):     # this rank's rows under sequence parallel
         return t.chunk(tp, dim=0)[tp_rank].contiguous() if sp else t
@@ -97,33 +104,38 @@ def layer_errors(config, tp, sp, cp, seq, mbs, plan_seed):
         return torch.cat(parts)
 
     gen = torch.Generator().manual_seed(9)
-    xs = [torch.randn(seq, mbs, cfg.hidden_size, generator=gen) for _ in range(3)]
-    x_a, x_b, g_b = xs
+    x_a, x_b, g_b = [torch.randn(seq, mbs, cfg.hidden_size, generator=gen) for _ in range(3)]
     local = lambda t: shard(cp_chunks(t, r, cp, dim=0))  # noqa: E731
 
     out_ref, gx_ref, grads_ref = layer_fns.reference(ref, shard(x_a), shard(x_b), shard(g_b),
                                                      rope_full)
-    out_ref = cp_chunks(whole(out_ref), r, cp, dim=0)
-    gx_ref = cp_chunks(whole(gx_ref), r, cp, dim=0)
-    out_base, gx_base, grads_base = layer_fns.reference(base, local(x_a), local(x_b),
-                                                        local(g_b), rope)
-    ops = dh.program.layer_ops(seq, mbs)
-    plan = random_legal_plan(ops, random.Random(plan_seed))
-    out_dh, gx_dh, grads_dh = layer_fns.dhelix_step(dh, plan, local(x_a), local(x_b),
-                                                    local(g_b), rope, seq, mbs)
-    cp_group = parallel_state.get_context_parallel_group()
+    full = {"output": cp_chunks(whole(out_ref), r, cp, dim=0),
+            "input grad": cp_chunks(whole(gx_ref), r, cp, dim=0), **grads_ref}
 
-    def rel(a, b):
-        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-
-    def errors(out, gx, grads):
-        e = {"output": rel(whole(out), out_ref), "input grad": rel(whole(gx), gx_ref)}
+    def vs_full(out, gx, grads, what):
+        summed = {}
         for name, g in grads.items():
-            g = g.clone()
-            dist.all_reduce(g, group=cp_group)
-            e[name] = rel(g, grads_ref[name])
-        return e
-    ring_ops = [o.name for o in ops.forward + ops.backward if o.group == "cp"]
-    return {"megatron": errors(out_base, gx_base, grads_base),
-            "dhelix": errors(out_dh, gx_dh, grads_dh),
-            "ring_ops": ring_ops, "plan_steps": len(plan.steps)}
+            summed[name] = g.clone()
+            dist.all_reduce(summed[name], group=cp_group)
+        same_tensors({"output": whole(out), "input grad": whole(gx), **summed}, full, tol,
+                     f"{what} at CP={cp} vs CP=1:")
+
+    out_b, gx_b, grads_b = layer_fns.reference(base, local(x_a), local(x_b), local(g_b), rope)
+    vs_full(out_b, gx_b, grads_b, "megatron's layer")
+    ring = {"output": out_b, "input grad": gx_b, **grads_b}
+    ops = dh.program.layer_ops(seq, mbs)
+    rng = random.Random(seed)
+    plans = [("trivial", trivial_plan(ops)), ("paired", paired_plan(ops))] + \
+        [(f"random #{i}", random_legal_plan(ops, rng)) for i in range(nplans)]
+    for name, plan in plans:
+        out, gx, grads = layer_fns.dhelix_step(dh, plan, local(x_a), local(x_b), local(g_b),
+                                               rope, seq, mbs)
+        try:
+            same_tensors({"output": out, "input grad": gx, **grads}, ring, 0.0,
+                         "DHelix vs megatron's layer with the ring:")
+            vs_full(out, gx, grads, "DHelix")
+        except Mismatch as e:
+            raise Mismatch(f"{config} TP={tp} CP={cp}, plan {name}: {e}") from None
+    return {"ring_ops": [o.name for o in ops.forward + ops.backward if o.group == "cp"],
+            "plans": len(plans), "distinct": len({p.digest() for _, p in plans}),
+            "ngrads": len(grads_ref)}

@@ -59,11 +59,31 @@ def parsed(argv):
                                           "micro_batch_size", "global_batch_size")}
 
 
+def checksums(model, attr):
+    """name -> [sum, sum of squares] (float64) of each parameter's `attr` ("main_grad":
+    what megatron DDP accumulated and reduced; "data": the weight), this rank's shard — the
+    format of dhelix/train/trainer.py's `checksums`. Names are the GPT model's own
+    (`decoder.layers.0.self_attention.linear_qkv.weight`), the same for megatron's layer and
+    the DHelix layer (same submodules, same parameters). Every parameter must have one."""
+    out = {}
+    for name, p in model.module.named_parameters():
+        t = getattr(p, attr, None)
+        if t is None:
+            raise AssertionError(f"{name} has no {attr}")
+        t = t.detach().double()
+        out[name] = [t.sum().item(), (t * t).sum().item()]
+    return out
+
+
 def train_real(argv, dhelix, steps=3):
     """Build the model with Megatron-LM's model_provider and gpt_builder (after the
     install hook when `dhelix`), wrap it in megatron DDP, and run `steps` iterations of
     the forward-backward function Megatron-LM's train_step would get from
-    megatron.training.training.get_forward_backward_func, with pretrain_gpt's loss."""
+    megatron.training.training.get_forward_backward_func, with pretrain_gpt's loss.
+    Returns, besides what was built: `losses` (per step, each micro-batch's loss over this
+    rank's tokens), `loss_sums` (per step, each micro-batch's [loss sum, tokens]),
+    `grad_checksums` (per step, `checksums(model, "main_grad")` after the reduction) and
+    `weight_checksums` (the final weights)."""
     from functools import partial
 
     args = init_megatron(argv + (["--dhelix"] if dhelix else []))
@@ -85,6 +105,9 @@ def train_real(argv, dhelix, steps=3):
                                   post_process=True)
         layers = [type(m).__name__ for m in model.modules()
                   if type(m).__name__.endswith("TransformerLayer") or isinstance(m, DHelixLayer)]
+        cores = [type(m.self_attention.core_attention).__name__
+                 for m in model.decoder.layers]
+        state_keys = sorted(k for k in model.state_dict() if not k.endswith("_extra_state"))
         config = model.config
         model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True), module=model)
@@ -96,7 +119,7 @@ def train_real(argv, dhelix, steps=3):
 
         g = torch.Generator().manual_seed(7)
         nmb = args.global_batch_size // args.micro_batch_size
-        losses, sums = [], []
+        losses, sums, grad_sums = [], [], []
         for it in range(steps):
             batches = []
             for _ in range(nmb):
@@ -127,13 +150,17 @@ def train_real(argv, dhelix, steps=3):
             losses.append([float(o["lm loss"][0] / o["lm loss"][1]) if o["lm loss"].numel() == 2
                            else float(o["lm loss"]) for o in out])
             sums.append([[float(x) for x in o["lm loss"]] for o in out])
+            grad_sums.append(checksums(model, "main_grad"))
             # a fixed SGD step on megatron's main grads, so later steps see new weights
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(p.main_grad, alpha=-1e-2)
-        grad_sum = float(sum(p.main_grad.double().abs().sum() for p in model.parameters()))
+        weight_sums = checksums(model, "data")
     finally:
         uninstall()
     del opt
     return {"installed": installed, "layers": layers, "schedule": schedule,
-            "losses": losses, "loss_sums": sums, "grad_abs_sum": grad_sum}
+            "losses": losses, "loss_sums": sums, "grad_checksums": grad_sums,
+            "weight_checksums": weight_sums,
+            "params": len(list(model.parameters())), "core_attention": cores,
+            "state_keys": state_keys}

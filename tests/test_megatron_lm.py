@@ -10,6 +10,7 @@ import pytest
 
 from dhelix.testing import run_ranks
 import megatron_lm_fns as fns
+from compare import same_numbers, same_runs
 
 ML = fns.megatron_lm_path()
 if not os.path.exists(os.path.join(ML, "pretrain_gpt.py")):
@@ -18,6 +19,8 @@ if not os.path.exists(os.path.join(ML, "pretrain_gpt.py")):
     if os.environ.get("CI") == "true":
         pytest.fail(msg, pytrace=False)
     pytest.skip(msg, allow_module_level=True)
+
+NMB = 4            # fns.SMALL: global batch 8 / micro-batch 2, one data-parallel rank
 
 
 def test_real_parser_takes_dhelix_flags():
@@ -28,41 +31,91 @@ def test_real_parser_takes_dhelix_flags():
     assert (r["micro_batch_size"], r["global_batch_size"]) == (2, 8)
 
 
+STEPS = 3          # train_real's default: every step's gradients, then the final weights
+
+
+def _same_real_runs(dh, base):
+    """`train_real` results of two runs, rank by rank, bit for bit: every step's
+    per-micro-batch losses, every step's per-parameter checksums of megatron DDP's
+    main_grad (this rank's shard, after DDP's reduction), the final weights' checksums.
+    Each run's checksums cover every one of its parameters, under the GPT model's
+    parameter names (megatron's layer and the DHelix layer use the same ones)."""
+    assert len(dh) == len(base)
+    for rank, (d, b) in enumerate(zip(dh, base)):
+        assert len(d["losses"]) == len(b["losses"]) == STEPS
+        for step, (ld, lb) in enumerate(zip(d["losses"], b["losses"])):
+            assert len(lb) == NMB
+            assert same_numbers(ld, lb, 0.0, f"rank {rank} step {step + 1} losses") == 0.0
+    assert same_runs(dh, base, 0.0, keys=("grad_checksums", "weight_checksums")) == 0.0
+    # not a vacuous comparison: every step, every parameter of the model, by its name
+    for rank, (d, b) in enumerate(zip(dh, base)):
+        assert d["state_keys"] == b["state_keys"], f"rank {rank}: state dict keys differ"
+        for r in (d, b):
+            assert len(r["grad_checksums"]) == STEPS
+            assert r["params"] > 0 and len(r["weight_checksums"]) == r["params"]
+            assert all(len(c) == r["params"] for c in r["grad_checksums"])
+            assert set(r["weight_checksums"]) <= set(r["state_keys"])
+
+
 def test_real_builder_and_schedule_train_like_megatron():
     """TP=2 + sequence parallel on 2 ranks, through the install hook: the DHelix model
     Megatron-LM's gpt_builder builds with --dhelix (DHelix's spec, whose final norm takes
     sequence parallel), run by the forward-backward function its training module returns,
-    gives the losses and gradients of --dhelix-sdpa-baseline (megatron's layer and
-    schedule on the same spec) bit for bit."""
+    against --dhelix-sdpa-baseline (megatron's TransformerLayer and megatron's
+    forward_backward_no_pipelining on the same spec). Bit-identical (tol=0.0) on both
+    ranks: the 4 micro-batch losses of each of the 3 steps; at each step, [sum, sum of
+    squares] of megatron DDP's main_grad of each of the 28 parameters (this rank's TP
+    shard); the final weights' checksums; the same parameter names in both runs."""
     argv = fns.SMALL + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     base = run_ranks(fns.train_real, 2, argv + ["--dhelix-sdpa-baseline"], False,
                      timeout=400)
     dh = run_ranks(fns.train_real, 2, argv, True, timeout=400)
     for b, d in zip(base, dh):
         assert b["installed"] is True and d["installed"] is True
-        assert set(b["layers"]) == {"TransformerLayer"} and set(d["layers"]) == {"DHelixLayer"}
-        assert len(d["layers"]) == 2
+        assert b["layers"] == ["TransformerLayer"] * 2 and d["layers"] == ["DHelixLayer"] * 2
+        assert b["core_attention"] == d["core_attention"] == ["SDPAttention"] * 2
         assert b["schedule"] == "forward_backward_no_pipelining"
         assert d["schedule"] == "forward_backward_dhelix"
-        assert b["losses"] == d["losses"], (b["losses"], d["losses"])
-        assert b["grad_abs_sum"] == d["grad_abs_sum"]
+        assert d["params"] == 28
+    _same_real_runs(dh, base)
 
 
 def test_real_megatron_lm_with_context_parallel():
-    """Megatron-LM's builder after the hook, --context-parallel-size 2 --dhelix: the DHelix
-    layers get the ring (megatron's local spec has no CP attention), batches are cut by
-    megatron-core's get_batch_on_this_cp_rank as pretrain_gpt's get_batch does, and the
-    whole sequence's loss (both CP ranks' sums over their tokens) and the later steps equal
-    the CP=1 run's."""
+    """Megatron-LM's builder after the hook, --context-parallel-size 2 on 2 ranks, batches
+    cut by megatron-core's get_batch_on_this_cp_rank as pretrain_gpt's get_batch does: the
+    --dhelix run (DHelix layers on the ring, DHelix's schedule) against
+    --dhelix-sdpa-baseline at CP=2 (megatron's TransformerLayer with the same ring,
+    `RingAttention`, in its core-attention slot, megatron's schedule). Bit-identical
+    (tol=0.0) on both CP ranks: the 4 micro-batch losses (over this rank's tokens) of each
+    of the 3 steps, every step's main_grad checksums of all 28 parameters, the final
+    weights' checksums. Extra: the whole sequence's loss (both CP ranks' sums over their
+    tokens) of the --dhelix CP=2 run equals the --dhelix CP=1 run's at every step and
+    micro-batch, to 1e-5 relative — the ring merges attention blocks by log-sum-exp, in
+    another order of floating-point sums than attention over the whole sequence — with
+    the token counts exact (half the sequence on each CP rank)."""
+    argv = fns.SMALL + ["--context-parallel-size", "2"]
+    base = run_ranks(fns.train_real, 2, argv + ["--dhelix-sdpa-baseline"], False,
+                     timeout=400)
+    dh = run_ranks(fns.train_real, 2, argv, True, timeout=400)
+    for b, d in zip(base, dh):
+        assert b["layers"] == ["TransformerLayer"] * 2 and d["layers"] == ["DHelixLayer"] * 2
+        assert b["core_attention"] == d["core_attention"] == ["RingAttention"] * 2
+        assert b["schedule"] == "forward_backward_no_pipelining"
+        assert d["schedule"] == "forward_backward_dhelix"
+        assert d["params"] == 28
+    _same_real_runs(dh, base)
+
     one = run_ranks(fns.train_real, 1, fns.SMALL, True, timeout=400)[0]
-    two = run_ranks(fns.train_real, 2, fns.SMALL + ["--context-parallel-size", "2"], True,
-                    timeout=400)
-    assert two[0]["schedule"] == "forward_backward_dhelix"
+    assert one["core_attention"] == ["SDPAttention"] * 2
+    assert len(one["loss_sums"]) == STEPS
     for step, mbs in enumerate(one["loss_sums"]):
-        for k, (s1, n1) in enumerate(mbs):
-            (sa, na), (sb, nb) = two[0]["loss_sums"][step][k], two[1]["loss_sums"][step][k]
-            assert na + nb == n1 and na == nb
-            assert abs((sa + sb) / (na + nb) - s1 / n1) <= 1e-5 * abs(s1 / n1), (step, k)
+        a, b = dh[0]["loss_sums"][step], dh[1]["loss_sums"][step]
+        what = f"step {step + 1}"
+        same_numbers([na for _, na in a], [nb for _, nb in b], 0.0, f"{what} CP tokens")
+        same_numbers([na + nb for (_, na), (_, nb) in zip(a, b)], [n for _, n in mbs], 0.0,
+                     f"{what} whole-sequence tokens")
+        same_numbers([(sa + sb) / (na + nb) for (sa, na), (sb, nb) in zip(a, b)],
+                     [s / n for s, n in mbs], 1e-5, f"{what} whole-sequence loss, CP=2 vs 1")
 
 
 def test_wrapper_reaches_megatron_pretrain():
