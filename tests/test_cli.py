@@ -63,27 +63,42 @@ def test_dhelix_with_one_microbatch_warns_and_default_pairs():
     assert "microbatches=4" in r.stdout and "pairs nothing" not in r.stderr
 
 
-def test_killed_rank_is_reported():
+def test_killed_rank_is_reported(tmp_path):
     """kill -9 of a rank mid-training: the job ends non-zero within 30 s and says which
-    rank died, how, at what iteration, and that the others were stopped."""
-    p = subprocess.Popen([sys.executable, "-m", "dhelix.cli", "train", "--nproc", "2", *TINY,
-                          "--train-iters", "100000", "--log-interval", "1"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rank died, how, at what iteration, and that the others were stopped. The job's stdout
+    and stderr go to files (a pipe nobody reads blocks a child that fills it); its log
+    must reach iteration 3 within 120 s."""
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err_f:
+        p = subprocess.Popen([sys.executable, "-m", "dhelix.cli", "train", "--nproc", "2",
+                              *TINY, "--train-iters", "100000", "--log-interval", "1"],
+                             stdout=out, stderr=err_f, stdin=subprocess.DEVNULL, text=True)
     try:
-        for line in p.stdout:
-            if "iter    3/" in line:
-                break
+        deadline = time.time() + 120
+        while "iter    3/" not in out_path.read_text():
+            assert p.poll() is None, (f"the job ended (rc {p.returncode}) before iteration "
+                                      f"3:\n{out_path.read_text()[-2000:]}"
+                                      f"{err_path.read_text()[-3000:]}")
+            assert time.time() < deadline, ("no iteration 3 within 120 s:\n"
+                                             f"{out_path.read_text()[-2000:]}"
+                                             f"{err_path.read_text()[-3000:]}")
+            time.sleep(0.2)
         kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
                               text=True).stdout.split()
         assert len(kids) == 2, kids
         # rank 1 is the second child started
         os.kill(int(sorted(kids, key=int)[1]), signal.SIGKILL)
         t = time.time()
-        _, err = p.communicate(timeout=30)
+        p.wait(timeout=30)
         assert time.time() - t < 30
     finally:
-        if p.poll() is None:
+        if p.poll() is None:                   # a failed check: stop the job and its ranks
+            for kid in subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                                      text=True).stdout.split():
+                os.kill(int(kid), signal.SIGKILL)
             p.kill()
+            p.wait()
+    err = err_path.read_text()
     assert p.returncode != 0
     assert "rank 1" in err and "SIGKILL" in err and "iteration" in err, err
     assert "stopped" in err and "rank 0" in err, err

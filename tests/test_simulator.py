@@ -120,11 +120,45 @@ def test_trivial_plan_is_sum_of_alone_times_and_memory():
     base = sum(o.saved_bytes for o in layer.backward)
     fsaved = sum(o.saved_bytes for o in layer.forward)
     assert fsaved == base                      # backward frees what forward saved
-    assert r.peak_bytes >= base + fsaved       # all of α's activations on top of β's
-    # pairing lets β free before α allocates: the DP plan's peak is not above the trivial one
-    # for this layer, and the simulator ends at the base level
-    rd = simulate(layer, dp.plan(layer, t, backend="python"), t)
+    # memory by hand: this layer's trivial plan runs one op at a time (every comm op is
+    # read by the op after it), so it is the module doc's rule applied op by op from the
+    # base (β's activations): a forward op holds its saved + temp bytes while it runs and
+    # keeps its saved bytes; a backward op holds its temp bytes and frees them with its
+    # saved bytes. The peak, 51.5625 MiB, is reached at fc2's start (β's 24.03 MiB, the
+    # 19.53 MiB α saved before fc2, fc2's 4 MiB saved and 4 MiB temp) and again in the
+    # backward (ag_mlp_b's 4 MiB temp on top of α's activations less bda_mlp_b's), so the
+    # whole curve is compared too, not only its top.
+    evs = sorted(r.events, key=lambda e: e[3])
+    assert all(y[3] >= x[4] > x[3] for x, y in zip(evs, evs[1:]))   # one op at a time
+    mem = float(base)
+    curve = []                                 # bytes after each allocation and free
+    for o in layer.forward:
+        curve += [mem + o.saved_bytes + o.temp_bytes, mem + o.saved_bytes]
+        mem += o.saved_bytes
+    for o in layer.backward:
+        curve += [mem + o.temp_bytes, mem - o.saved_bytes]
+        mem -= o.saved_bytes
+    assert mem == base                         # ends at the base level
+    assert max(curve) == 51.5625 * 2**20
+    assert r.peak_bytes == max(curve), (r.peak_bytes / 2**20, max(curve) / 2**20)
+    # pairing lets β free before α allocates: the DP plan's peak is not above the trivial
+    # one for this layer (43.5625 MiB when written), and both plans end at the base level
+    dplan = dp.plan(layer, t, backend="python")
+    rd = simulate(layer, dplan, t)
     assert rd.makespan < r.makespan
+    assert rd.peak_bytes <= r.peak_bytes, (rd.peak_bytes / 2**20, r.peak_bytes / 2**20)
+    model = LaneModel(layer, t)
+    pos = ({n: k for k, n in enumerate(model.f_names)},
+           {n: k for k, n in enumerate(model.b_names)})
+    for plan, result in ((trivial_plan(layer), r), (dplan, rd)):
+        mem, trace = model.base, []
+        for stp in plan.steps:
+            mem = model.step([pos[0][n] for n in stp.fwd], [pos[1][n] for n in stp.bwd],
+                             mem0=mem, memory=trace)[2]
+        assert mem == base, (plan.steps, mem, base)
+        assert max(b for _, b in trace) == result.peak_bytes
+        if result is r:
+            assert [b for _, b in trace] == curve
     # also: cluster instead of a table
     r2 = simulate(layer, trivial_plan(layer), cluster=c, group_sizes={"tp": 4})
     assert r2.makespan == r.makespan

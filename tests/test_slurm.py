@@ -1,4 +1,6 @@
-"""The Slurm batch file on a real one-node Slurm cluster (scripts/slurm/local_cluster.sh)."""
+"""The Slurm batch file on a real one-node Slurm cluster (scripts/slurm/local_cluster.sh).
+Without root or without Slurm these tests skip, naming what is missing; under CI=true
+(.ci/run installs Slurm) they fail instead, so CI cannot pass without running them."""
 import json
 import os
 import shutil
@@ -29,6 +31,8 @@ def _missing():
 def cluster(tmp_path_factory):
     why = _missing()
     if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and the Slurm tests cannot run: {why}", pytrace=False)
         pytest.skip(why)
     d = str(tmp_path_factory.mktemp("slurm") / "cluster")
     env = dict(os.environ, DHELIX_SLURM_DIR=d, DHELIX_SLURMCTLD_PORT=str(free_port()),
@@ -87,3 +91,28 @@ def test_failing_rank_fails_the_job(cluster, tmp_path):
     assert r.returncode != 0
     assert _state(cluster, job) == "FAILED"
     assert "world size 2 is not divisible by --tensor-model-parallel-size 3" in log
+
+
+@pytest.mark.parametrize("ci", ["true", None])
+def test_without_slurm_fails_in_ci_and_skips_elsewhere(tmp_path, ci):
+    """The two tests above, run by pytest with no Slurm on PATH: under CI=true both fail
+    (error at setup, naming what is missing); without CI both skip with that reason."""
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PATH"] = str(tmp_path)               # an empty folder: no sbatch, slurmd, ...
+    if ci:
+        env["CI"] = ci
+    tests = [f"{__file__}::{t}" for t in ("test_sbatch_trains_like_nproc",
+                                          "test_failing_rank_fails_the_job")]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
+                        *tests], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    out = r.stdout + r.stderr
+    why = ("Slurm is not installed (sbatch, slurmctld, slurmd, munged missing)"
+           if os.geteuid() == 0 else "needs root")
+    assert why in out, out
+    if ci:
+        assert r.returncode == 1 and "2 errors" in out, out
+        assert out.count("CI=true and the Slurm tests cannot run") >= 2, out
+    else:
+        assert r.returncode == 0 and "2 skipped" in out, out
+        assert "CI=true" not in out, out
