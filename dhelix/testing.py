@@ -56,6 +56,17 @@ def _rank_main(fn, args, kwargs, rank, world, port, env, q):
             pass
 
 
+def _died(procs, results, reporter: int, grace: float) -> Optional[int]:
+    """A rank other than `reporter` that exited with an error without reporting."""
+    end = time.time() + grace
+    while True:
+        dead = [r for r, p in enumerate(procs) if r != reporter and r not in results
+                and p.exitcode not in (None, 0)]
+        if dead or time.time() >= end:
+            return dead[0] if dead else None
+        time.sleep(0.05)
+
+
 def run_ranks(fn: Callable, nranks: int, *args, timeout: float = 120.0,
               env: Optional[Dict[str, str]] = None, **kwargs) -> List[Any]:
     """Run `fn(*args, **kwargs)` on `nranks` gloo ranks; results by rank."""
@@ -87,6 +98,12 @@ def run_ranks(fn: Callable, nranks: int, *args, timeout: float = 120.0,
                                     f"{procs[dead[0]].exitcode} before reporting")
                 continue
             if status == "error":
+                # a peer's death shows on the others as a lost connection: blame the
+                # rank that died first, if one did (it may need a moment to be reaped)
+                dead = _died(procs, results, rank, grace=1.0)
+                if dead is not None:
+                    raise RankError(f"rank {dead} died with exit code {procs[dead].exitcode} "
+                                    f"before reporting; rank {rank} then failed:\n{payload}")
                 raise RankError(f"rank {rank} failed:\n{payload}")
             results[rank] = payload
     finally:

@@ -20,11 +20,6 @@ def _cfg(config="tiny-llama"):
     return transformer_config(load_model_config(config), tp=1, sequence_parallel=False)
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def sdpa_vs_dot_product_attention(seq=32, mbs=2):
     """Causal, GQA (tiny-llama: 4 heads, 2 KV groups), fp32: output and input grads."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -45,8 +40,9 @@ def sdpa_vs_dot_product_attention(seq=32, mbs=2):
         xs = [t.clone().requires_grad_() for t in (q, k, v)]
         y = mod(*xs, attention_mask=None)
         y.backward(grad)
-        outs.append([y] + [x.grad for x in xs])
-    return max(rel(a, b) for a, b in zip(*outs))
+        outs.append({"output": y, "dQ": xs[0].grad, "dK": xs[1].grad, "dV": xs[2].grad})
+    from compare import same_tensors      # ≤1e-6: SDPA's kernel sums in its own order
+    return same_tensors(outs[0], outs[1], 1e-6, "SDPA vs DotProductAttention:")
 
 
 def layer_vs_megatron_local(seq=32, mbs=2, config="tiny-llama"):
@@ -74,8 +70,10 @@ def layer_vs_megatron_local(seq=32, mbs=2, config="tiny-llama"):
         xi = x.clone().requires_grad_()
         y, _ = layer(xi, attention_mask=None, rotary_pos_emb=rope)
         y.backward(gy)
-        res.append([y, xi.grad] + [p.grad for _, p in sorted(layer.named_parameters())])
-    names = [n for n, _ in sorted(ours.named_parameters())]
-    return {"worst": max(rel(a, b) for a, b in zip(*res)), "params": len(names),
+        res.append({"output": y, "input grad": xi.grad,
+                    **{n: p.grad for n, p in layer.named_parameters()}})
+    from compare import same_tensors
+    return {"worst": same_tensors(res[0], res[1], 1e-6, "DHelix spec vs megatron local:"),
+            "params": len(res[0]) - 2,
             "core": [type(l.self_attention.core_attention).__name__ for l in (ours, ref)],
             "keys_ok": not missing.missing_keys and not missing.unexpected_keys}

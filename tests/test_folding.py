@@ -5,6 +5,7 @@ import pytest
 from dhelix.folding.order import folded_order
 from dhelix.folding.placement import FoldError, fold, megatron_pipeline
 from dhelix.testing import RankError, run_ranks
+from compare import merge_stages, same_runs
 from train_fns import train_result
 
 STEPS = 10
@@ -62,6 +63,20 @@ def test_order_is_complete_and_respects_dependencies(G, N):
             assert live <= 2 * G
 
 
+# The fold vs megatron's 1F1B: every loss, every step's gradient checksum of every
+# parameter and the final weights', merged over the stages by global name (the two place
+# layers on different stages), on every TP position, within 1e-5 relative. Not bit for
+# bit: with tied embeddings the embedding's gradient is the sum of the input and output
+# parts, which 1F1B adds across stages (an all-reduce) and the fold adds on stage 0 in
+# another order; and the loss stage's per-micro-batch losses are averaged in another
+# order. The untied cases meet the same bound.
+FOLD_TOL = 1e-5
+
+
+def same_fold(dh, base):
+    return same_runs(merge_stages(dh), merge_stages(base), FOLD_TOL)
+
+
 def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", pp=2, steps=STEPS, **kw):
     """megatron 1F1B and the fold from the same initial weights (a PP=1 checkpoint)."""
     d = str(tmp)
@@ -69,7 +84,7 @@ def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", pp=2, steps=STEPS, *
                   sequence_parallel=tp > 1, micro_batch_size=1)
     run_ranks(train_result, tp, timeout=300, train_iters=0, save=d, **common)
     kw = dict(common, train_iters=steps, load=d, global_batch_size=nmb * world // (pp * tp),
-              pipeline_model_parallel_size=pp, **kw)
+              pipeline_model_parallel_size=pp, checksums=True, **kw)
     base = run_ranks(train_result, world, timeout=600, **kw)
     dh = run_ranks(train_result, world, timeout=600, dhelix={"enabled": True, "fold": True},
                    **kw)
@@ -87,9 +102,7 @@ def test_fold_trains_like_megatron_1f1b(tmp_path, world, tp, nmb, config):
     assert base[0]["config"]["schedule"] == "megatron"
     assert dh[0]["config"]["schedule"] == "dhelix-fold"
     assert dh[0]["config"]["num_microbatches"] == nmb
-    for r1, r2 in zip(base, dh):
-        for i, (a, b) in enumerate(zip(r1["losses"], r2["losses"])):
-            assert abs(a - b) <= 1e-5 * abs(a), f"step {i + 1}: 1F1B {a} vs fold {b}"
+    assert same_fold(dh, base) <= FOLD_TOL
     assert len(dh[0]["peak_memory_bytes_per_stage"]) == 2
 
 
@@ -100,9 +113,7 @@ def test_fold_trains_like_megatron_1f1b_at_every_depth(tmp_path, G, N):
     base, dh = _runs(G, N, 1, tmp_path, "tiny-llama4" if G == 2 else "tiny-llama8", pp=G,
                      steps=3)
     assert dh[0]["config"]["num_microbatches"] == N
-    for r1, r2 in zip(base, dh):
-        for i, (a, b) in enumerate(zip(r1["losses"], r2["losses"])):
-            assert abs(a - b) <= 1e-5 * abs(a), f"step {i + 1}: 1F1B {a} vs fold {b}"
+    assert same_fold(dh, base) <= FOLD_TOL
 
 
 def test_checkpoint_moves_between_fold_and_unfolded(tmp_path):
@@ -137,14 +148,14 @@ def test_uneven_fold_is_refused():
 
 def test_dead_stage_is_an_error_not_a_hang():
     """Stage 1 exits in the second step: the job ends with an error naming the dead rank
-    or the lost connection — long before the timeout, never a hang."""
+    and its exit code (not the survivor's lost connection) long before the timeout."""
     import time
     from dhelix.testing import RankTimeout
     t = time.time()
     with pytest.raises(RankError) as e:
         run_ranks(_die_on_stage1, 2, timeout=200)
     assert not isinstance(e.value, RankTimeout)
-    assert "rank 1 died" in str(e.value) or "Connection reset by peer" in str(e.value)
+    assert "rank 1 died with exit code 3" in str(e.value), str(e.value)[-2000:]
     assert time.time() - t < 120
 
 
