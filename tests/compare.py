@@ -76,7 +76,7 @@ def _same_names(got: Mapping, want: Mapping, what: str):
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))
     if missing or extra:
-        raise Mismatch(f"{what}: " + "; ".join(
+        raise Mismatch(f"{what.rstrip(':')}: " + "; ".join(
             s for s in (f"missing {missing}" if missing else "",
                         f"not in the reference {extra}" if extra else "") if s))
 
