@@ -14,8 +14,7 @@ def test_compiled_program_equals_eager(kind, tiles):
     every dependency kept (checked on the graphs while compiling)."""
     from helix_fns import compiled_vs_eager
     for rank, res in enumerate(run_ranks(compiled_vs_eager, 2, kind, tiles, timeout=300)):
-        worst = max(res["errors"].items(), key=lambda kv: kv[1])
-        assert worst[1] <= 1e-6, f"rank {rank}: {worst}"
+        assert res["worst"] <= 1e-6, res["worst"]          # compared on the rank
         graphs = {g["graph"]: g for g in res["report"]}
         assert set(graphs) == {"forward", "backward"}
         for g in graphs.values():
@@ -31,9 +30,9 @@ def test_compiled_program_equals_eager(kind, tiles):
 
 def test_without_reorder_also_equals_eager():
     from helix_fns import compiled_vs_eager
-    res = run_ranks(compiled_vs_eager, 2, "block", 2, False, timeout=300)[0]
-    assert max(res["errors"].values()) <= 1e-6
-    assert all(g["segments"] == {} for g in res["report"])
+    for res in run_ranks(compiled_vs_eager, 2, "block", 2, False, timeout=300):
+        assert res["worst"] <= 1e-6
+        assert all(g["segments"] == {} for g in res["report"])
 
 
 def test_an_op_that_mixes_the_batch_is_refused_by_name():
@@ -102,10 +101,9 @@ def test_bucketing_equals_eager_and_merges_where_it_pays(kind, tiles, link):
     1 us it costs the overlap and is not; either way the program equals eager (the TP+SP
     block and the small GPT)."""
     from helix_fns import compiled_vs_eager
-    res = run_ranks(compiled_vs_eager, 2, kind, tiles, True, 4, 8, True, link,
-                    timeout=400)[0]
-    assert max(res["errors"].values()) <= 1e-6, res["errors"]
-    for g in res["report"]:
+    ranks = run_ranks(compiled_vs_eager, 2, kind, tiles, True, 4, 8, True, link, timeout=400)
+    assert all(res["worst"] <= 1e-6 for res in ranks)       # compared on every rank
+    for g in [g for res in ranks for g in res["report"]]:
         b = g["buckets"]
         assert b["candidates"] and set(b["chosen"]) | set(b["rejected"]) == \
             set(b["candidates"])
@@ -125,15 +123,16 @@ def test_bucketing_equals_eager_and_merges_where_it_pays(kind, tiles, link):
 def test_bucketing_dp_chooses_as_well_as_trying_every_subset(tiles, link, share):
     """The dynamic program's choice has the least simulated makespan among all 2^N
     subsets that fit the budget (budget: none, the smallest peak, half-way up), while
-    it simulates fewer of them."""
+    it simulates fewer of them; on both ranks."""
     from helix_fns import dp_vs_exhaustive
-    res = run_ranks(dp_vs_exhaustive, 2, "block", tiles, link, share, timeout=400)[0]
-    assert set(res) == {"forward", "backward"}
-    for g, r in res.items():
-        assert r["candidates"] == 4
-        assert r["dp_fits"] and r["dp_s"] == pytest.approx(r["best_s"], rel=1e-12), (g, r)
-        assert r["dp_simulated"] < r["exh_simulated"] == 16, (g, r)
-        assert r["search"].startswith("dynamic program over 4 candidates"), r
+    for res in run_ranks(dp_vs_exhaustive, 2, "block", tiles, link, share, timeout=400):
+        assert set(res) == {"forward", "backward"}
+        for g, r in res.items():
+            assert r["candidates"] == 4
+            assert r["dp_fits"] and r["dp_s"] == pytest.approx(r["best_s"], rel=1e-12), \
+                (g, r)
+            assert r["dp_simulated"] < r["exh_simulated"] == 16, (g, r)
+            assert r["search"].startswith("dynamic program over 4 candidates"), r
 
 
 def test_bucketing_respects_the_memory_budget():
@@ -144,13 +143,14 @@ def test_bucketing_respects_the_memory_budget():
                      timeout=300)[0]
     # one budget for both graphs: the larger of their smallest peaks
     budget = max(min(x["peak_bytes"] for x in g["buckets"]["tried"]) for g in free["report"])
-    res = run_ranks(compiled_vs_eager, 2, "block", 2, True, 4, 8, True, "paced:1gbit,5ms",
-                    budget, timeout=300)[0]
-    for g in res["report"]:
-        chosen = next(x for x in g["buckets"]["tried"]
-                      if sorted(x["merged"]) == sorted(g["buckets"]["chosen"]))
-        assert chosen["peak_bytes"] <= budget and chosen["fits"]
-    assert max(res["errors"].values()) <= 1e-6
+    ranks = run_ranks(compiled_vs_eager, 2, "block", 2, True, 4, 8, True, "paced:1gbit,5ms",
+                      budget, timeout=300)
+    for res in ranks:
+        for g in res["report"]:
+            chosen = next(x for x in g["buckets"]["tried"]
+                          if sorted(x["merged"]) == sorted(g["buckets"]["chosen"]))
+            assert chosen["peak_bytes"] <= budget and chosen["fits"]
+        assert res["worst"] <= 1e-6
     from dhelix.testing import RankError
     with pytest.raises(RankError, match=f"no choice fits the memory budget "
                                         f"{budget / 2:.0f} bytes"):
