@@ -125,6 +125,7 @@ def same_runs(got: Sequence[dict], want: Sequence[dict], tol: float = 0.0,
         raise Mismatch(f"{len(got)} ranks vs the reference's {len(want)}")
     worst = 0.0
     for rank, (g, w) in enumerate(zip(got, want)):
+        rank = w.get("label", rank)
         for key in keys:
             if key not in w or key not in g:
                 raise Mismatch(f"rank {rank}: no '{key}' in the "
@@ -177,7 +178,8 @@ def merge_stages(results: Sequence[dict]) -> list:
                     m[key] = v
             return m
         first = stages[0][2]
-        merged = {"losses": first["losses"],
+        merged = {"label": "(TP {}, CP {}, DP {}: stages merged)".format(*pos),
+                  "losses": first["losses"],
                   "weight_checksums": merge([s[2]["weight_checksums"] for s in stages],
                                             f"position {pos} final weight")}
         merged["grad_checksums"] = [
