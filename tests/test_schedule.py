@@ -1,10 +1,28 @@
 """`--dhelix`: the node schedule trains exactly like megatron's own schedule.
 
-Every comparison is of two whole training runs from the same seed and data: the losses,
-a checksum of every parameter's gradient at every step (megatron DDP's main_grad, after
-the data-parallel reduction) and of the final weights, on every rank, fp32. The math is
-the same as megatron's, so every number must be equal bit for bit (`compare.same_runs`
-with tolerance 0: `==` on every loss and checksum, a NaN fails).
+Every training comparison is of two whole training runs from the same seed and data: the
+losses, a checksum ([sum, sum of squares], float64) of every parameter's gradient at
+every step (megatron DDP's main_grad, after the data-parallel reduction) and of the final
+weights, on every rank, fp32. The math is the same as megatron's, so every number must be
+equal bit for bit (`compare.same_runs` with tolerance 0: `==` on every loss and checksum,
+a NaN fails).
+
+What runs against megatron's schedule, every comparison at tolerance 0:
+  - 20 steps, the built-in paired plan: tiny TP=2+SP on 2 ranks (1, 3, 4 micro-batches;
+    also the eval loss after training, every rank); tiny TP=2+SP × DP=2 on 4 ranks (1
+    micro-batch); tiny-llama TP=2 × DP=2 with overlapped grad reduce (3 micro-batches);
+  - 20 steps, 5 random legal plans from files: tiny TP=2+SP × DP=2 (seeds 1, 2 at 3, 4
+    micro-batches) and tiny-llama TP=2+SP on 2 ranks (seeds 1, 2, 3, 3 micro-batches);
+  - 6 steps, many random legal plans, each a whole run, all in ONE `run_ranks` spawn
+    (`train_fns.train_random_plans` calls `train()` once per plan in one process group):
+    32 distinct plans for tiny-llama TP=2+SP on 2 ranks and 12 distinct plans for tiny
+    TP=2+SP × DP=2 on 4 ranks (3 micro-batches each); the in-process baseline is run
+    twice (bit-identical) and equals the fresh-process 20-step baseline's first 6 steps;
+  - evaluation apart from training (tiny and tiny-llama, TP=2+SP, 2 ranks): both
+    schedules load the SAME checkpoint and evaluate 2 steps of 3 micro-batches; every
+    micro-batch's eval loss on every rank is equal, and under `--dhelix` eval is checked
+    to take DHelix's forward-only route (megatron's forward_backward_no_pipelining running
+    the DHelix layers plainly, no layer node).
 """
 import argparse
 import functools
@@ -13,10 +31,11 @@ import json
 import pytest
 
 from dhelix.testing import run_ranks
-from compare import same_runs
-from train_fns import train_result
+from compare import Mismatch, same_checksums, same_numbers, same_runs
+from train_fns import eval_from_checkpoint, train_random_plans, train_result
 
 STEPS = 20
+MANY_STEPS = 6          # steps per plan in the many-plan runs
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,6 +58,13 @@ def _random_plan(tmp_path, config, seed, mbs):
 
 @pytest.mark.parametrize("nmb", [1, 3, 4])
 def test_tp2_sp_matches_baseline(nmb):
+    """tiny, TP=2+SP, 2 ranks, the built-in paired plan, 20 steps: `same_runs` at
+    tolerance 0. Then 2 eval steps after training, every rank's eval loss `==`: both
+    schedules evaluate with the same code (megatron's forward_backward_no_pipelining;
+    a DHelix layer outside a DHelix step is megatron's TransformerLayer.forward), so with
+    equal final weights this adds only that `--dhelix` left the data stream where
+    megatron's schedule did. The eval path itself is checked from the same weights in
+    `test_eval_from_same_weights`."""
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=STEPS, micro_batch_size=2, global_batch_size=2 * nmb, eval_iters=2)
     base, dh = _runs(2, {"enabled": True}, **kw)
@@ -46,12 +72,14 @@ def test_tp2_sp_matches_baseline(nmb):
     assert base[0]["config"]["schedule"] == "megatron"
     assert dh[0]["config"]["num_microbatches"] == nmb
     assert same_runs(dh, base) == 0.0
-    assert dh[0]["eval_loss"] == base[0]["eval_loss"]
+    assert same_numbers([r["eval_loss"] for r in dh], [r["eval_loss"] for r in base],
+                        0.0, "eval loss after training, by rank") == 0.0
 
 
 @pytest.mark.parametrize("nmb,plan_seed", [(1, None), (3, 1), (4, 2)])
 def test_tp2_dp2_matches_baseline(tmp_path, nmb, plan_seed):
-    """4 ranks; the built-in paired plan, or a random legal plan from a file."""
+    """tiny, TP=2+SP × DP=2 (4 ranks), 20 steps: the built-in paired plan, or a random
+    legal plan from a file (seeds 1, 2); `same_runs` at tolerance 0."""
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=STEPS, micro_batch_size=1, global_batch_size=2 * nmb)
     opts = {"enabled": True}
@@ -74,11 +102,107 @@ def test_overlap_grad_reduce_untied_llama_is_bit_identical(tmp_path):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_plans_train_like_baseline(tmp_path, seed):
+    """tiny-llama, TP=2+SP, 2 ranks, 3 micro-batches of 2, 20 steps, a random legal plan
+    from a file (seeds 1, 2, 3): `same_runs` at tolerance 0."""
     kw = dict(config="tiny-llama", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=STEPS, global_batch_size=6)
     plan = _random_plan(tmp_path, "tiny-llama", seed, 2)
     base, dh = _runs(2, {"enabled": True, "plan": plan}, **kw)
     assert same_runs(dh, base) == 0.0
+
+
+def _prefix(results, steps):
+    """The first `steps` steps of each rank's losses and gradient checksums."""
+    return [{"losses": r["losses"][:steps], "grad_checksums": r["grad_checksums"][:steps]}
+            for r in results]
+
+
+def _check_many_plans(r, n, fresh):
+    """The results of `train_random_plans` (one per rank) against its own baseline: `n`
+    distinct plans, each the plan its layers ran, each run `same_runs` at tolerance 0
+    (every failing plan is named). The in-process baseline is repeatable (run before and
+    after the plans: bit-identical) and equals the fresh-process 20-step baseline `fresh`
+    over its first MANY_STEPS steps (losses and gradient checksums, tolerance 0): calling
+    `train()` again in one process changes nothing."""
+    base = [x["baseline"] for x in r]
+    assert {x["config"]["schedule"] for x in base} == {"megatron"}
+    assert same_runs([x["baseline_again"] for x in r], base) == 0.0
+    assert same_runs(_prefix(base, MANY_STEPS), _prefix(fresh, MANY_STEPS),
+                     keys=("losses", "grad_checksums")) == 0.0
+    plans = r[0]["plans"]
+    assert len(plans) == n
+    assert len({p["digest"] for p in plans}) == n, "random plans repeat"
+    assert sum(p["paired"] for p in plans) > 0
+    failed = []
+    for i, p in enumerate(plans):
+        dh = [x["plans"][i]["result"] for x in r]
+        for rank, x in enumerate(r):
+            assert x["plans"][i]["digest"] == p["digest"], f"rank {rank}: another plan"
+            assert x["plans"][i]["used"] == [p["digest"]], f"rank {rank}: plan not run"
+        assert {d["config"]["schedule"] for d in dh} == {"dhelix"}
+        try:
+            assert same_runs(dh, base) == 0.0
+        except Mismatch as e:
+            failed.append(f"plan seed {p['seed']} ({p['digest']}, {p['paired']} paired of "
+                          f"{p['steps']} steps): {e}")
+    assert not failed, f"{len(failed)} of {n} random plans differ from megatron's " \
+                       f"schedule:\n" + "\n".join(failed)
+
+
+def test_many_random_plans_tp2_sp(tmp_path):
+    """tiny-llama, TP=2+SP, 2 ranks, 3 micro-batches of 2: 32 distinct random legal plans
+    (seeds 100-131), each a 6-step run in one spawn, `same_runs` against megatron's
+    schedule at tolerance 0."""
+    kw = dict(config="tiny-llama", tensor_model_parallel_size=2, sequence_parallel=True,
+              global_batch_size=6)
+    seeds = range(100, 132)
+    r = run_ranks(train_random_plans, 2, str(tmp_path), list(seeds), timeout=600,
+                  train_iters=MANY_STEPS, **kw)
+    _check_many_plans(r, len(seeds), _baseline(2, tuple(sorted(
+        dict(kw, train_iters=STEPS).items()))))
+
+
+def test_many_random_plans_tp2_dp2(tmp_path):
+    """tiny, TP=2+SP × DP=2, 4 ranks, 3 micro-batches of 1: 12 distinct random legal
+    plans (seeds 200-211), each a 6-step run in one spawn, `same_runs` against megatron's
+    schedule at tolerance 0."""
+    kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
+              micro_batch_size=1, global_batch_size=6)
+    seeds = range(200, 212)
+    r = run_ranks(train_random_plans, 4, str(tmp_path), list(seeds), timeout=600,
+                  train_iters=MANY_STEPS, **kw)
+    assert r[0]["baseline"]["config"]["data_parallel_size"] == 2
+    _check_many_plans(r, len(seeds), _baseline(4, tuple(sorted(
+        dict(kw, train_iters=STEPS).items()))))
+
+
+@pytest.mark.parametrize("config", ["tiny", "tiny-llama"])
+def test_eval_from_same_weights(tmp_path, config):
+    """Evaluation under `--dhelix`, apart from training: megatron's schedule trains 5
+    steps and saves a checkpoint; megatron's schedule and `--dhelix` each load it (TP=2+SP,
+    2 ranks, 3 micro-batches of 2) and evaluate 2 steps from the same data. Every eval
+    micro-batch's loss, on every rank, is equal bit for bit (`same_numbers`, tolerance 0),
+    and so are the loaded weights' checksums (`same_checksums`, tolerance 0). The route:
+    under `--dhelix` each forward_only call goes to megatron's
+    forward_backward_no_pipelining (`unwrap_and_evaluate`) with the DHelix layers run
+    plainly (2 × 3 × 2 layer forwards, no layer node); megatron's run has no DHelix layer."""
+    kw = dict(config=config, tensor_model_parallel_size=2, sequence_parallel=True,
+              micro_batch_size=2, global_batch_size=6, eval_iters=2, checksums=True)
+    r = run_ranks(eval_from_checkpoint, 2, str(tmp_path), 5, timeout=600, **kw)
+    for rank, x in enumerate(r):
+        mg, dh = x["megatron"], x["dhelix"]
+        assert (mg["schedule"], dh["schedule"]) == ("megatron", "dhelix")
+        assert same_checksums(dh["weights"], x["saved"], 0.0,
+                              f"rank {rank} dhelix's loaded weights") == 0.0
+        assert same_checksums(mg["weights"], x["saved"], 0.0,
+                              f"rank {rank} megatron's loaded weights") == 0.0
+        assert len(mg["losses"]) == 2 * 3
+        assert same_numbers(dh["losses"], mg["losses"], 0.0,
+                            f"rank {rank} eval micro-batch loss") == 0.0
+        assert mg["forward_only_calls"] == dh["forward_only_calls"] == 2
+        assert mg["no_pipelining_calls"] == dh["no_pipelining_calls"] == 2
+        assert dh["dhelix_layer_forwards"] == 2 * 3 * 2 and dh["nodes"] == 0
+        assert mg["dhelix_layer_forwards"] == 0
 
 
 def test_node_schedule_invariants():

@@ -104,3 +104,134 @@ def node_backward_inside_autograd():
     t = torch.ones(2, requires_grad=True)
     Inside.apply(t).sum().backward()
     return seen.get("msg", "no error")
+
+
+def train_random_plans(plan_dir, seeds, **kw):
+    """Many random legal plans in ONE process group (one spawn): `train()` is run
+    repeatedly in this process — megatron's schedule first, then `--dhelix` with one
+    random legal plan per seed, then megatron's schedule once more — each a whole run from
+    the same seed and data (`train` re-initialises megatron's parallel state and seeds).
+
+    Each plan is `random_legal_plan(ops, random.Random(seed))` on the ops of the layer
+    these runs train (`kw`'s config, TP, SP, seq length and micro-batch size), written by
+    rank 0 to `plan_dir/seed{seed}.json` and passed as `--dhelix-plan`. The digest of the
+    plan each run's layers were actually given (`PlanBook.for_layer`) is recorded.
+
+    Returns {"baseline": result, "baseline_again": result, "plans": [{"seed", "digest",
+    "paired", "steps", "used", "result"}, ...]} (results as `train_result`'s)."""
+    import os
+    import random
+
+    import torch.distributed as dist
+
+    from dhelix.planner.enumerate import random_legal_plan
+    from dhelix.schedules.plans import PlanBook
+    import layer_fns
+
+    kw.setdefault("quiet", True)
+    kw.setdefault("checksums", True)
+    cfg = TrainConfig(**kw)
+    _, dh, _, _ = layer_fns.setup_layer(cfg.config, cfg.tensor_model_parallel_size,
+                                        cfg.sequence_parallel, 1, cfg.seq_length,
+                                        cfg.micro_batch_size)
+    ops = dh.program.layer_ops(cfg.seq_length, cfg.micro_batch_size)
+    del dh
+
+    used = []
+    orig_for_layer = PlanBook.for_layer
+
+    def for_layer(self, layer):
+        plan = orig_for_layer(self, layer)
+        used.append(plan.digest())
+        return plan
+
+    out = {"baseline": train(TrainConfig(**kw)), "plans": []}
+    PlanBook.for_layer = for_layer
+    try:
+        for seed in seeds:
+            plan = random_legal_plan(ops, random.Random(seed))
+            path = os.path.join(plan_dir, f"seed{seed}.json")
+            if dist.get_rank() == 0:
+                plan.save(path)
+            dist.barrier()
+            used.clear()
+            res = train(TrainConfig(**kw, dhelix={"enabled": True, "plan": path}))
+            out["plans"].append({"seed": seed, "digest": plan.digest(),
+                                 "paired": plan.num_paired(), "steps": len(plan.steps),
+                                 "used": sorted(set(used)), "result": res})
+    finally:
+        PlanBook.for_layer = orig_for_layer
+    out["baseline_again"] = train(TrainConfig(**kw))
+    return out
+
+
+def eval_from_checkpoint(scratch, ckpt_iters, **kw):
+    """Evaluation of both schedules from the SAME weights: megatron's schedule trains
+    `ckpt_iters` steps and saves a checkpoint (`scratch/ckpt`); megatron's schedule and
+    `--dhelix` each load it and evaluate (`train_iters=0`, `eval_iters` steps of
+    forward_only) from the start of the same data. Records, per
+    run, each eval micro-batch's loss on this rank (the `lm loss` the schedule returned,
+    not the trainer's average) and the route eval took: the forward_backward calls with
+    forward_only=True, megatron's `forward_backward_no_pipelining` calls, DHelix layer
+    forwards, and layer nodes made (a node is DHelix's paired path); with
+    `checksums=True`, the checksums of the weights each run evaluated ("weights") and of
+    the weights saved ("saved")."""
+    import megatron.core.pipeline_parallel.schedules as ms
+
+    import dhelix.train.trainer as trainer
+    from dhelix.strand.layer import DHelixLayer
+    from dhelix.strand.node import LayerNode
+
+    kw.setdefault("quiet", True)
+    ckpt = f"{scratch}/ckpt"
+    saved = train(TrainConfig(**{**kw, "eval_iters": 0, "checksums": True},
+                              train_iters=ckpt_iters, save=ckpt))
+    out = {"saved": saved["weight_checksums"]}
+    for name, opts in (("megatron", {}), ("dhelix", {"enabled": True})):
+        rec = {"losses": [], "forward_only_calls": 0, "no_pipelining_calls": 0,
+               "dhelix_layer_forwards": 0, "nodes": 0}
+        patched = []
+
+        def patch(owner, attr, wrap):
+            orig = getattr(owner, attr)
+            patched.append((owner, attr, orig))
+            setattr(owner, attr, wrap(orig))
+
+        def wrap_make(orig):
+            def make(options):
+                s = orig(options)
+                fb = s.forward_backward
+
+                def forward_backward(**a):
+                    res = fb(**a)
+                    if a.get("forward_only"):
+                        rec["forward_only_calls"] += 1
+                        rec["losses"] += [o["lm loss"].item() for o in res]
+                    return res
+                s.forward_backward = forward_backward
+                return s
+            return make
+
+        def count(key):
+            def wrap(orig):
+                def f(*a, **k):
+                    rec[key] += 1
+                    return orig(*a, **k)
+                return f
+            return wrap
+
+        patch(trainer, "make_schedule", wrap_make)
+        patch(ms, "forward_backward_no_pipelining", count("no_pipelining_calls"))
+        patch(DHelixLayer, "forward", count("dhelix_layer_forwards"))
+        patch(LayerNode, "__init__", count("nodes"))
+        try:
+            res = train(TrainConfig(**kw, train_iters=0, load=ckpt, save=f"{scratch}/{name}",
+                                    dhelix=opts))
+        finally:
+            for owner, attr, orig in reversed(patched):
+                setattr(owner, attr, orig)
+        rec["schedule"] = res["config"]["schedule"]
+        rec["eval_loss"] = res["eval_loss"]
+        rec["weights"] = res.get("weight_checksums")
+        out[name] = rec
+    return out
