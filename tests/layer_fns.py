@@ -93,6 +93,18 @@ def earliest_wgrad_plan(ops):
                 [o.name for o in ops.backward], steps, {"made_by": "earliest-wgrad"})
 
 
+def named_plans(ops, nplans, seed, earliest_wgrad=False):
+    """[(name, plan)]: the trivial and paired plans (and the earliest-wgrad one), then
+    `nplans` random legal plans drawn from `random.Random(seed)`."""
+    import random
+    from dhelix.planner.enumerate import random_legal_plan
+    from dhelix.planner.plan import paired_plan, trivial_plan
+    rng = random.Random(seed)
+    return [("trivial", trivial_plan(ops)), ("paired", paired_plan(ops))] + \
+        ([("earliest-wgrad", earliest_wgrad_plan(ops))] if earliest_wgrad else []) + \
+        [(f"random #{i}", random_legal_plan(ops, rng)) for i in range(nplans)]
+
+
 def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5, tol=0.0):
     """The trivial, paired and earliest-wgrad plans and `nplans` random legal ones, each
     against megatron's layer on this rank (`compare.same_tensors`: α's output, β's input
@@ -100,9 +112,6 @@ def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5, 
     `tol`; 0.0 = bit-identical), and against the first plan bit for bit (plans only
     reorder). Raises `compare.Mismatch` naming the plan; returns counts."""
     from compare import Mismatch, same_tensors
-    from dhelix.planner.enumerate import random_legal_plan
-    from dhelix.planner.plan import paired_plan, trivial_plan
-    import random
 
     ref, dh, cfg, rope = setup_layer(config, tp, sp, seed, seq, mbs)
     x_a = inputs(cfg, seq, mbs, seed + 1, sp)
@@ -111,10 +120,7 @@ def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5, 
     r_out, r_gx, r_grads = reference(ref, x_a, x_b, g_b, rope)
     want = {"output": r_out, "input grad": r_gx, **r_grads}
     ops = dh.program.layer_ops(seq, mbs)
-    rng = random.Random(seed)
-    plans = [("trivial", trivial_plan(ops)), ("paired", paired_plan(ops)),
-             ("earliest-wgrad", earliest_wgrad_plan(ops))] + \
-        [(f"random #{i}", random_legal_plan(ops, rng)) for i in range(nplans)]
+    plans = named_plans(ops, nplans, seed, earliest_wgrad=True)
     first = None
     for name, plan in plans:
         out, gx, grads = dhelix_step(dh, plan, x_a, x_b, g_b, rope, seq, mbs)

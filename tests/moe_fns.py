@@ -75,14 +75,10 @@ def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=F
     that: a fresh DHelix MoE layer has megatron's state-dict keys and shapes and sharded
     keys. With `zero_router` every token ties and goes to the same two experts (one EP
     rank). Raises `compare.Mismatch` naming the plan."""
-    import random
-
     import torch
     from compare import Mismatch, same_tensors
-    from layer_fns import dhelix_step, inputs, reference, tensors_of
+    from layer_fns import dhelix_step, inputs, named_plans, reference, tensors_of
 
-    from dhelix.planner.enumerate import random_legal_plan
-    from dhelix.planner.plan import paired_plan, trivial_plan
     ref, dh, cfg, rope = setup_moe_layer(tp, ep, seq=seq, mbs=mbs, shared=shared,
                                          load=False)
     shapes = lambda m: {k: torch.zeros(v.shape) for k, v in  # noqa: E731
@@ -102,9 +98,7 @@ def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=F
     out_ref, gx_ref, grads_ref = reference(ref, x_a, x_b, g_b, rope)
     want = {"output": out_ref, "input grad": gx_ref, **grads_ref}
     ops = dh.program.layer_ops(seq, mbs)
-    rng = random.Random(seed)
-    all_plans = [("trivial", trivial_plan(ops)), ("paired", paired_plan(ops))] + \
-        [(f"random #{i}", random_legal_plan(ops, rng)) for i in range(plans)]
+    all_plans = named_plans(ops, plans, seed)
     for name, plan in all_plans:
         out, gx, grads = dhelix_step(dh, plan, x_a, x_b, g_b, rope, seq, mbs)
         try:

@@ -5,17 +5,25 @@ import pytest
 
 from dhelix.bench.cli import _split_links, markdown
 from dhelix.testing import run_ranks
+from compare import same_runs
 from train_fns import train_result
 
 
 def test_intra_batch_peer_matches_baseline():
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=10, micro_batch_size=2, global_batch_size=6)
-    base = run_ranks(train_result, 2, timeout=300, **kw)[0]
-    peer = run_ranks(train_result, 2, timeout=300, dhelix={"peer": "intra-batch"}, **kw)[0]
-    assert peer["config"]["schedule"] == "intra-batch"
-    for i, (a, b) in enumerate(zip(base["losses"], peer["losses"])):
-        assert abs(a - b) <= 1e-5 * abs(a), f"step {i}: {a} vs {b}"
+    """The intra-batch peer (two batch halves round-robin) vs megatron, every rank: the
+    losses ≤1e-5, every step's per-parameter gradient checksums ≤1e-4, the final weights'
+    ≤1e-3 relative. Not bit for bit: a weight's grad adds the halves' parts in another
+    order (~1e-7), and Adam carries that on: an entry whose grad is near zero still moves
+    by about the learning rate, in the direction the rounding gave it."""
+    base = run_ranks(train_result, 2, timeout=300, checksums=True, **kw)
+    peer = run_ranks(train_result, 2, timeout=300, checksums=True,
+                     dhelix={"peer": "intra-batch"}, **kw)
+    assert peer[0]["config"]["schedule"] == "intra-batch"
+    assert same_runs(peer, base, 1e-5, keys=("losses",)) <= 1e-5
+    assert same_runs(peer, base, 1e-4, keys=("grad_checksums",)) <= 1e-4
+    assert same_runs(peer, base, 1e-3, keys=("weight_checksums",)) <= 1e-3
 
 
 def test_intra_batch_peer_rejects_odd_micro_batch():

@@ -6,7 +6,7 @@ import pytest
 
 from dhelix.models.config import ConfigError
 from dhelix.testing import run_ranks
-from compare import same_runs
+from compare import same_numbers, same_runs
 from train_fns import train_result
 
 STEPS = 10
@@ -14,10 +14,10 @@ STEPS = 10
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 def test_ring_core_equals_full_attention(cp):
-    """Causal GQA, fp32: output, dQ, dK, dV of every rank's rows."""
+    """Causal GQA, fp32: output, dQ, dK, dV of every rank's rows, ≤1e-5 relative to the
+    largest value (the ring's order of summation), none non-finite."""
     from cp_fns import ring_core_errors
-    for rank, errs in enumerate(run_ranks(ring_core_errors, cp, timeout=200)):
-        assert max(errs) <= 1e-5, f"CP={cp} rank {rank}: errors {errs}"
+    assert run_ranks(ring_core_errors, cp, timeout=200) == [None] * cp   # checked on ranks
 
 
 LAYER_PLANS = 24      # random legal plans per layout, on top of the trivial and paired
@@ -49,16 +49,16 @@ def _train(world, **kw):
 
 
 def _close_losses(a, b, tol=1e-5):
-    assert len(a) == len(b) == STEPS
-    for i, (x, y) in enumerate(zip(a, b)):
-        assert abs(x - y) <= tol * abs(x), f"step {i + 1}: {x!r} vs {y!r}"
+    """CP vs no CP: the ring sums attention in another order, so ≤1e-5 relative."""
+    assert len(a) == STEPS
+    same_numbers(b, a, tol, "losses with CP vs without")
 
 
 def test_cp2_trains_like_cp1():
     one = _train(1, global_batch_size=8)
     two = _train(2, global_batch_size=8, context_parallel_size=2)
     assert two[0]["config"]["context_parallel_size"] == 2
-    assert two[0]["losses"] == two[1]["losses"]          # the loss is the whole sequence's
+    same_numbers(two[1]["losses"], two[0]["losses"], 0.0, "CP rank 1 vs 0")  # whole sequence's
     _close_losses(one[0]["losses"], two[0]["losses"])
     # each CP rank keeps half the activations
     assert two[0]["peak_memory_bytes"] < 0.6 * one[0]["peak_memory_bytes"]

@@ -5,7 +5,7 @@ import pytest
 from dhelix.folding.order import folded_order
 from dhelix.folding.placement import FoldError, fold, megatron_pipeline
 from dhelix.testing import RankError, run_ranks
-from compare import merge_stages, same_runs
+from compare import merge_stages, same_numbers, same_runs
 from train_fns import train_result
 
 STEPS = 10
@@ -132,7 +132,8 @@ def test_checkpoint_moves_between_fold_and_unfolded(tmp_path):
                      pipeline_model_parallel_size=2, dhelix={"enabled": True, "fold": True},
                      **kw)[0]["eval_loss"]
     assert fold_eval is not None
-    assert abs(fold_eval - flat) <= 1e-6 * abs(flat) and abs(back - flat) <= 1e-6 * abs(flat)
+    # ≤1e-6: the loss stage averages the micro-batches' losses in another order
+    same_numbers([fold_eval, back], [flat, flat], 1e-6, "eval loss folded, back folded")
 
 
 def test_uneven_fold_is_refused():
@@ -260,7 +261,7 @@ def test_bench_pipeline_rows(tmp_path):
         assert len(x["peak_activation_bytes_per_stage"]) == 2
         assert all(0.0 <= v < 1.0 for v in x["idle_share_per_stage"])
         assert x["sim_step_s"] > 0 and 0.0 <= x["sim_bubble"] < 1.0
-        assert abs(x["final_loss"] - rows[0]["final_loss"]) <= 1e-5 * abs(x["final_loss"])
+        same_numbers([x["final_loss"]], [rows[0]["final_loss"]], FOLD_TOL, x["method"])
     assert rows[0]["speedup"] == 1.0 and rows[0]["sim_speedup"] == 1.0
     assert "| tiny4 | none | dhelix-fold |" in open(out + ".md").read()
 

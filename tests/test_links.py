@@ -8,6 +8,7 @@ import link_fns
 from train_fns import train_result
 
 PACED = "paced:100mbit,20us"
+SLACK, SLACK_S = 1.25, 0.02      # a collective may end up to 25% + 20 ms late (loaded CI)
 
 
 def test_parse_link():
@@ -39,13 +40,13 @@ def test_paced_link_delays_to_the_model_holding_no_cpu():
         for name in ("all_gather", "all_reduce", "reduce_scatter"):
             r = res[name]
             assert r["model"] > 0.05                          # 84-168 ms at 100 Mbit/s
-            assert r["model"] * 0.99 <= r["wall"] <= r["model"] * 1.25 + 0.02, (name, r)
+            assert r["model"] * 0.99 <= r["wall"] <= r["model"] * SLACK + SLACK_S, (name, r)
             assert r["cpu"] < 0.25 * r["wall"], (name, r)     # waiting, not computing
         f = res["fifo"]
         assert f["first"] >= f["model"] * 0.99
         assert f["both"] >= 2 * f["model"] * 0.99              # the second queued
         r = res["ring_step"]                                   # full duplex: one transfer
-        assert r["model"] * 0.99 <= r["wall"] <= r["model"] * 1.25 + 0.02, r
+        assert r["model"] * 0.99 <= r["wall"] <= r["model"] * SLACK + SLACK_S, r
         assert res["default_group_s"] < 0.5 * res["all_gather"]["model"]
 
 

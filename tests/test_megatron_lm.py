@@ -57,6 +57,23 @@ def _same_real_runs(dh, base):
             assert set(r["weight_checksums"]) <= set(r["state_keys"])
 
 
+def _baseline_vs_dhelix(argv, attention):
+    """--dhelix-sdpa-baseline (megatron's layer and schedule) and --dhelix on 2 ranks,
+    each layer's core attention `attention`; compared by `_same_real_runs`."""
+    base = run_ranks(fns.train_real, 2, argv + ["--dhelix-sdpa-baseline"], False,
+                     timeout=400)
+    dh = run_ranks(fns.train_real, 2, argv, True, timeout=400)
+    for b, d in zip(base, dh):
+        assert b["installed"] is True and d["installed"] is True
+        assert b["layers"] == ["TransformerLayer"] * 2 and d["layers"] == ["DHelixLayer"] * 2
+        assert b["core_attention"] == d["core_attention"] == [attention] * 2
+        assert b["schedule"] == "forward_backward_no_pipelining"
+        assert d["schedule"] == "forward_backward_dhelix"
+        assert d["params"] == 28
+    _same_real_runs(dh, base)
+    return dh
+
+
 def test_real_builder_and_schedule_train_like_megatron():
     """TP=2 + sequence parallel on 2 ranks, through the install hook: the DHelix model
     Megatron-LM's gpt_builder builds with --dhelix (DHelix's spec, whose final norm takes
@@ -67,17 +84,7 @@ def test_real_builder_and_schedule_train_like_megatron():
     squares] of megatron DDP's main_grad of each of the 28 parameters (this rank's TP
     shard); the final weights' checksums; the same parameter names in both runs."""
     argv = fns.SMALL + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    base = run_ranks(fns.train_real, 2, argv + ["--dhelix-sdpa-baseline"], False,
-                     timeout=400)
-    dh = run_ranks(fns.train_real, 2, argv, True, timeout=400)
-    for b, d in zip(base, dh):
-        assert b["installed"] is True and d["installed"] is True
-        assert b["layers"] == ["TransformerLayer"] * 2 and d["layers"] == ["DHelixLayer"] * 2
-        assert b["core_attention"] == d["core_attention"] == ["SDPAttention"] * 2
-        assert b["schedule"] == "forward_backward_no_pipelining"
-        assert d["schedule"] == "forward_backward_dhelix"
-        assert d["params"] == 28
-    _same_real_runs(dh, base)
+    _baseline_vs_dhelix(argv, "SDPAttention")
 
 
 def test_real_megatron_lm_with_context_parallel():
@@ -94,16 +101,7 @@ def test_real_megatron_lm_with_context_parallel():
     another order of floating-point sums than attention over the whole sequence — with
     the token counts exact (half the sequence on each CP rank)."""
     argv = fns.SMALL + ["--context-parallel-size", "2"]
-    base = run_ranks(fns.train_real, 2, argv + ["--dhelix-sdpa-baseline"], False,
-                     timeout=400)
-    dh = run_ranks(fns.train_real, 2, argv, True, timeout=400)
-    for b, d in zip(base, dh):
-        assert b["layers"] == ["TransformerLayer"] * 2 and d["layers"] == ["DHelixLayer"] * 2
-        assert b["core_attention"] == d["core_attention"] == ["RingAttention"] * 2
-        assert b["schedule"] == "forward_backward_no_pipelining"
-        assert d["schedule"] == "forward_backward_dhelix"
-        assert d["params"] == 28
-    _same_real_runs(dh, base)
+    dh = _baseline_vs_dhelix(argv, "RingAttention")
 
     one = run_ranks(fns.train_real, 1, fns.SMALL, True, timeout=400)[0]
     assert one["core_attention"] == ["SDPAttention"] * 2

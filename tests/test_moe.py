@@ -6,7 +6,7 @@ import pytest
 from dhelix.models.config import ConfigError, load_model_config
 from dhelix.testing import run_ranks
 from dhelix.train.config import TrainConfig, check_layout, model_of
-from compare import same_runs
+from compare import same_numbers, same_runs
 from train_fns import train_losses, train_result
 
 MOE = dict(config="tiny-moe", data="synthetic", micro_batch_size=2, global_batch_size=16)
@@ -22,8 +22,7 @@ def test_expert_parallel_trains_and_tp_sp_does_not_change_it():
     tp = run_ranks(train_losses, 4, timeout=400, train_iters=10,
                    expert_model_parallel_size=2, tensor_model_parallel_size=2,
                    sequence_parallel=True, expert_tensor_parallel_size=1, **MOE)[0]
-    for i, (a, b) in enumerate(zip(ep, tp)):
-        assert abs(a - b) <= 1e-5 * abs(a), f"step {i + 1}: EP {a} vs TP×EP {b}"
+    same_numbers(tp, ep, 1e-5, "TP×EP vs EP losses")    # TP splits attention's GEMMs
 
 
 def test_unbalanced_routing_runs():
@@ -62,9 +61,12 @@ def test_moe_flags_and_refusals():
     assert load_model_config("phi-3.5-moe").num_experts == 16
 
 
+MOE_PLANS = 30       # random legal plans per MoE layout, on top of the trivial and paired
+
+
 @pytest.mark.parametrize("world,tp,plans,zero,shared", [
-    (2, 1, 30, False, None), (4, 2, 30, False, None), (2, 1, 30, True, None),
-    (2, 1, 30, False, 96), (4, 2, 30, False, 96)],
+    (2, 1, MOE_PLANS, False, None), (4, 2, MOE_PLANS, False, None),
+    (2, 1, MOE_PLANS, True, None), (2, 1, MOE_PLANS, False, 96), (4, 2, MOE_PLANS, False, 96)],
     ids=["ep2", "ep2-tp2sp", "ep2-all-to-one-rank", "ep2-shared", "ep2-tp2sp-shared"])
 def test_dhelix_moe_layer_matches_megatron(world, tp, plans, zero, shared):
     """On every rank: output, input grad and every parameter grad (router, every local
@@ -158,4 +160,4 @@ def test_dhelix_moe_plans_from_a_cluster_file():
     base = run_ranks(train_losses, 2, timeout=300, **kw)[0]
     dh = run_ranks(train_losses, 2, timeout=300,
                    dhelix={"enabled": True, "cluster": "a800"}, **kw)[0]
-    assert dh == base
+    assert same_numbers(dh, base, 0.0, "losses") == 0.0

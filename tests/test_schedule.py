@@ -36,6 +36,8 @@ from train_fns import eval_from_checkpoint, train_random_plans, train_result
 
 STEPS = 20
 MANY_STEPS = 6          # steps per plan in the many-plan runs
+MANY_PLANS_TP2_SP = 32  # random legal plans, tiny-llama TP=2+SP on 2 ranks
+MANY_PLANS_TP2_DP2 = 12  # random legal plans, tiny TP=2+SP × DP=2 on 4 ranks
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +157,7 @@ def test_many_random_plans_tp2_sp(tmp_path):
     schedule at tolerance 0."""
     kw = dict(config="tiny-llama", tensor_model_parallel_size=2, sequence_parallel=True,
               global_batch_size=6)
-    seeds = range(100, 132)
+    seeds = range(100, 100 + MANY_PLANS_TP2_SP)
     r = run_ranks(train_random_plans, 2, str(tmp_path), list(seeds), timeout=600,
                   train_iters=MANY_STEPS, **kw)
     _check_many_plans(r, len(seeds), _baseline(2, tuple(sorted(
@@ -168,7 +170,7 @@ def test_many_random_plans_tp2_dp2(tmp_path):
     schedule at tolerance 0."""
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               micro_batch_size=1, global_batch_size=6)
-    seeds = range(200, 212)
+    seeds = range(200, 200 + MANY_PLANS_TP2_DP2)
     r = run_ranks(train_random_plans, 4, str(tmp_path), list(seeds), timeout=600,
                   train_iters=MANY_STEPS, **kw)
     assert r[0]["baseline"]["config"]["data_parallel_size"] == 2

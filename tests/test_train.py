@@ -7,6 +7,7 @@ import pytest
 from dhelix.models.config import ConfigError, load_model_config
 from dhelix.testing import RankError, RankTimeout, run_ranks
 from dhelix.train.config import TrainConfig, check_layout
+from compare import same_numbers
 from train_fns import train_losses
 
 STEPS = 30
@@ -33,8 +34,8 @@ def test_tp2_matches_tp1():
     tp1 = run_ranks(train_losses, 1, timeout=240, tensor_model_parallel_size=1, **kw)[0]
     tp2 = run_ranks(train_losses, 2, timeout=240, tensor_model_parallel_size=2,
                     sequence_parallel=True, **kw)[0]
-    for i, (a, b) in enumerate(zip(tp1, tp2)):
-        assert abs(a - b) <= 1e-4 * abs(a), f"step {i}: TP=1 {a} vs TP=2 {b}"
+    # ≤1e-4: TP splits the GEMMs' reductions, and 30 steps of Adam carry the difference
+    same_numbers(tp2, tp1, 1e-4, "TP=2 vs TP=1 losses")
 
 
 def test_same_seed_identical():
@@ -43,7 +44,7 @@ def test_same_seed_identical():
     a = run_ranks(train_losses, 2, timeout=180, **kw)[0]
     b = run_ranks(train_losses, 2, timeout=180, **kw)[0]
     c = run_ranks(train_losses, 2, timeout=180, **{**kw, "seed": 4})[0]
-    assert a == b
+    same_numbers(b, a, 0.0, "same seed")
     assert a != c
 
 
@@ -52,8 +53,7 @@ def test_dp2_matches_dp1_same_global_batch():
               global_batch_size=4)
     dp1 = run_ranks(train_losses, 1, timeout=180, **kw)[0]
     dp2 = run_ranks(train_losses, 2, timeout=180, **kw)[0]
-    for a, b in zip(dp1, dp2):
-        assert abs(a - b) <= 1e-5 * abs(a)
+    same_numbers(dp2, dp1, 1e-5, "DP=2 vs DP=1 losses")     # the DP all-reduce's order
 
 
 # ---- bad input ---------------------------------------------------------------------------
