@@ -12,32 +12,25 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
+from typing import Optional
 
 DEFAULT_LINK = "paced:1gbit"
 
 
-def register(sub):
-    p = sub.add_parser("demo", help="train megatron-core then --dhelix on local ranks over an "
-                                    "emulated link, alternately, and compare")
-    p.add_argument("--config", default="small", help="model config (default: %(default)s)")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks (default: %(default)s)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=2,
-                   help="TP, with sequence parallel (default: %(default)s)")
-    p.add_argument("--train-iters", type=int, default=10,
-                   help="steps per run; the first is not timed (default: %(default)s)")
-    p.add_argument("--seq-length", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="(default: %(default)s)")
-    p.add_argument("--num-microbatches", type=int, default=8,
-                   help="micro-batches per step (default: %(default)s)")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="runs of each schedule, alternating (default: %(default)s)")
-    p.add_argument("--link", default=DEFAULT_LINK, metavar="LINK",
-                   help="emulated link, as --link of `dhelix train` takes it (default: "
-                        "%(default)s, a 1 Gbit/s link model that costs no CPU; 'none' for "
-                        "the plain loopback; a rate like 2gbit for a tc-tbf namespace, root)")
-    p.add_argument("--lr", type=float, default=5e-4, help="(default: %(default)s)")
-    p.add_argument("--out", default=None, help="folder for the runs' JSON (default: temp)")
-    p.set_defaults(func=run)
+@dataclass
+class DemoOptions:
+    config: str = "small"
+    nproc: int = 2
+    tensor_model_parallel_size: int = 2
+    train_iters: int = 10
+    seq_length: int = 128
+    micro_batch_size: int = 4
+    num_microbatches: int = 8
+    repeats: int = 2
+    link: str = DEFAULT_LINK
+    lr: float = 5e-4
+    out: Optional[str] = None         # folder for the runs' JSON (default: temp)
 
 
 def _train_argv(a, out_json, dhelix):
@@ -52,7 +45,7 @@ def _train_argv(a, out_json, dhelix):
     return argv + (["--dhelix"] if dhelix else [])
 
 
-def run(a, argv) -> int:
+def run_demo(a: DemoOptions) -> int:
     from dhelix.links import LinkError, launch, parse_link
     from dhelix.train.dist import spawn_local
 

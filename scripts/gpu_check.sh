@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh [--plan] [--budget S] [--only A,B] [--gpus N]
 # Results: ${OUT:-gpu-check}/summary.json (each step's status pass/fail/skip/timeout,
 # seconds, numbers, last log lines, a failure's log tail), the fp32 DHelix Chrome trace
-# (trace.json, trace.png), hang.log and up to 3 fail-*.log. Logs stay in a /tmp folder.
+# (trace.rank0.json, trace.rank0.png), hang.log and up to 3 fail-*.log. Logs stay in a /tmp folder.
 # On the lent machine: run scripts/gpu_prep.sh here first (wheels in .whl/, Megatron-LM's
 # training code in .megatron-lm/), then one device call with carry [".whl", ".megatron-lm"]
 # and the command `bash scripts/gpu_check.sh`: the `setup` step installs them there.
@@ -58,7 +58,7 @@ PLAN="
 setup              | 45 | required gpus=0 | bash scripts/gpu_check.sh --setup
 lanes              | 30 |                 | CUDA_DEVICE_MAX_CONNECTIONS=32 python3 scripts/gpu_lanes_check.py
 fp32/base          | 40 |                 | \$FP32 --json \$T/fp32-base.json
-fp32/dhelix        | 40 | keep=trace.json,trace.png | \$FP32 --dhelix --json \$T/fp32-dhelix.json --dhelix-trace \$T/trace.json
+fp32/dhelix        | 40 | keep=trace.rank0.json,trace.rank0.png | \$FP32 --dhelix --json \$T/fp32-dhelix.json --dhelix-trace \$T/trace.json
 fp32/compare       | -  | after=fp32/base,fp32/dhelix | @compare \$T/fp32-base.json \$T/fp32-dhelix.json 1e-5
 megatron-lm/base   | 60 |                 | $ML megatron
 megatron-lm/dhelix | 60 |                 | $ML dhelix

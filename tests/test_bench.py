@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dhelix.bench.cli import _split_links, markdown
+from dhelix.bench.run import _split_links, markdown
 from dhelix.testing import run_ranks
 from compare import same_runs
 from train_fns import train_result
@@ -38,7 +38,9 @@ def test_trace_is_chrome_json_with_every_op(tmp_path):
     run_ranks(train_result, 2, timeout=300, config="tiny", tensor_model_parallel_size=2,
               sequence_parallel=True, train_iters=2, global_batch_size=4,
               dhelix={"enabled": True, "trace": path})
-    for p in (path, str(tmp_path / "trace.rank1.json")):
+    # every rank's files carry its rank, rank 0's too
+    assert not (tmp_path / "trace.json").exists() and not (tmp_path / "trace.png").exists()
+    for p in (str(tmp_path / "trace.rank0.json"), str(tmp_path / "trace.rank1.json")):
         d = json.load(open(p))
         meta = {e["args"]["name"] for e in d["traceEvents"] if e.get("name") == "thread_name"}
         assert {"compute", "intra", "inter"} <= meta
@@ -54,7 +56,8 @@ def test_trace_is_chrome_json_with_every_op(tmp_path):
             assert names.count(op) == 2 * n_layers, op
         mbs = {(e["args"]["strand"], e["args"]["microbatch"]) for e in ev}
         assert mbs == {("α", "F1"), ("α", "F2"), ("β", "B1"), ("β", "B2")}
-    assert (tmp_path / "trace.png").stat().st_size > 1000
+    assert (tmp_path / "trace.rank0.png").stat().st_size > 1000
+    assert (tmp_path / "trace.rank1.png").stat().st_size > 1000
 
 
 def test_link_rates_and_table():

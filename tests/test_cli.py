@@ -44,6 +44,9 @@ def test_plan_for_another_shape_names_the_field(tmp_path):
                "--dhelix-plan", str(plan))
     assert r.returncode == 2
     assert "seq_length: plan 128, this run 64" in r.stderr and r.stderr.count("error") == 1
+    # only the real difference: a field the plan does not record is not one
+    assert "plan None" not in r.stderr, r.stderr
+    assert "differs in seq_length: plan 128, this run 64; re-run" in r.stderr, r.stderr
     # plan's defaults are train's: a plan made without shape flags fits a default run
     r = dhelix("plan", *TINY, "--cluster", "h100", "--out", str(plan))
     assert r.returncode == 0, r.stderr
@@ -143,3 +146,24 @@ def test_demo_runs_alternately_and_reports_spread(tmp_path):
     order = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("=== ")]
     assert order == ["megatron", "dhelix", "megatron", "dhelix"]
     assert len(list(tmp_path.glob("*-1.json"))) == 2
+
+
+def test_bad_link_is_one_message_with_one_prefix():
+    r = dhelix("train", "--nproc", "2", *TINY, "--link", "paced:abc")
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("dhelix: error: --link: cannot read rate 'abc' (use e.g. "
+                                "2gbit, 500mbit)"), r.stderr
+
+
+def test_memory_budget_takes_byte_units():
+    """--dhelix-memory-budget reads sizes as `dhelix plan --memory-budget` does."""
+    from dhelix.cli import build_parser
+    p = build_parser()
+    for text, v in (("2GiB", 2 * 2**30), ("500MB", 500e6), ("1e9", 1e9), ("123", 123)):
+        a = p.parse_args(["train", "--dhelix", "--dhelix-memory-budget", text])
+        assert a.dhelix_memory_budget == v
+    r = dhelix("train", "--dhelix", "--dhelix-memory-budget", "2XB")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == (
+        "dhelix train: error: argument --dhelix-memory-budget: cannot read '2XB' as a size; "
+        "write e.g. 2GiB, 500MB, 1.5G or a number of bytes"), r.stderr

@@ -185,7 +185,7 @@ def harness_and_train_layers(claim_cuda: bool):
     profiler's layer is built (on CPU), as on the GPU machines where the two differed."""
     from dhelix.models.config import load_model_config
     from dhelix.profiler.harness import LayerHarness
-    from dhelix.schedules import make_schedule
+    from dhelix.train.schedules import make_schedule
     from dhelix.train.build import build
     from dhelix.train.config import TrainConfig, check_layout
     from dhelix.train.trainer import setup_megatron

@@ -2,7 +2,7 @@
 across layouts, refusals, a dead stage."""
 import pytest
 
-from dhelix.folding.order import folded_order
+from dhelix.planner.pipeline_order import folded_order
 from dhelix.folding.placement import FoldError, fold, megatron_pipeline
 from dhelix.testing import RankError, run_ranks
 from compare import merge_stages, same_numbers, same_runs
@@ -69,12 +69,18 @@ def test_order_is_complete_and_respects_dependencies(G, N):
 # bit: with tied embeddings the embedding's gradient is the sum of the input and output
 # parts, which 1F1B adds across stages (an all-reduce) and the fold adds on stage 0 in
 # another order; and the loss stage's per-micro-batch losses are averaged in another
-# order. The untied cases meet the same bound.
+# order. The untied cases meet the same bound. The final weights, after Adam's steps,
+# within 1e-3: Adam moves an entry whose grad is near zero by about the learning rate,
+# in whichever direction the rounding gave it (the tied case's reaches ~6e-5).
 FOLD_TOL = 1e-5
+FOLD_WEIGHT_TOL = 1e-3
 
 
 def same_fold(dh, base):
-    return same_runs(merge_stages(dh), merge_stages(base), FOLD_TOL)
+    got, want = merge_stages(dh), merge_stages(base)
+    worst = same_runs(got, want, FOLD_TOL, keys=("losses", "grad_checksums"))
+    same_runs(got, want, FOLD_WEIGHT_TOL, keys=("weight_checksums",))
+    return worst
 
 
 def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", pp=2, steps=STEPS, **kw):
@@ -185,7 +191,7 @@ def test_pipeline_simulator_matches_the_textbook_and_the_fold_gains(G, N, L, V):
     costing what its two halves cost alone gains nothing from pairing yet keeps up with
     1F1B; a pair 20% cheaper makes it faster than both; its busiest stage holds the same
     activations as 1F1B's first stage."""
-    from dhelix.folding.simulate import LayerCosts, simulate_pipeline
+    from dhelix.planner.pipeline import LayerCosts, simulate_pipeline
     flat = LayerCosts(f=1.0, b=2.0, pair=3.0, saved=1.0, transient=0.0)
     r = simulate_pipeline(flat, L, G, N, 0.0, vpp_layers=V)
     n = L // G
@@ -203,7 +209,7 @@ def test_pipeline_simulator_matches_the_textbook_and_the_fold_gains(G, N, L, V):
 
 
 def test_pipeline_simulator_refuses_bad_layouts():
-    from dhelix.folding.simulate import LayerCosts, PipelineError, simulate_pipeline
+    from dhelix.planner.pipeline import LayerCosts, PipelineError, simulate_pipeline
     c = LayerCosts(f=1.0, b=2.0, pair=3.0, saved=1.0, transient=0.0)
     with pytest.raises(PipelineError, match="6 layers do not fold evenly"):
         simulate_pipeline(c, 6, 2, 4, 0.0)
@@ -273,7 +279,7 @@ def test_p2p_messages_match_by_order(G, N):
     it, and the receiver posts in the sender's order (`sends`): NCCL matches messages by
     order, and an activation and a grad have the same shape. For G ≥ 3 the receiver's
     own step order would post them differently (checked, so the test can fail)."""
-    from dhelix.folding.order import fold_deps, sends, travels_down
+    from dhelix.planner.pipeline_order import fold_deps, sends, travels_down
     o = folded_order(G, N)
     deps = fold_deps(G)
     differs = False
@@ -297,7 +303,7 @@ def test_p2p_batches_cannot_deadlock_on_nccl(G, N):
     """The fold's P2P plan, played by NCCL's rules (a blocked send or receive holds its
     lane; messages of a pair match in posting order): every stage finishes. Each pair's
     messages go in the sender's order, and every receive is posted before its step."""
-    from dhelix.folding.order import sends
+    from dhelix.planner.pipeline_order import sends
     from dhelix.folding.p2p import batches, simulate
     o = folded_order(G, N)
     plan = batches(o)

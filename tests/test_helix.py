@@ -53,15 +53,15 @@ def test_paced_collectives_end_at_the_modelled_time():
 
 
 def test_bench_writes_its_table_and_pictures(tmp_path):
-    """`python -m dhelix.helix.bench` on a tiny block: rows for the program without
-    passes and Helix K=2, the exposed communication derived from the two links, the
-    timeline as PNG and Chrome trace."""
+    """`dhelix helix-bench` on a tiny block: rows for the program without passes and
+    Helix K=2, the exposed communication derived from the two links, the timeline as PNG
+    and Chrome trace."""
     import json
-    from dhelix.helix.bench import main
+    from dhelix.cli import main
     out = str(tmp_path / "hb")
-    assert main(["--link", "paced:20mbit", "--hidden", "32", "--heads", "4", "--batch",
-                 "4", "--seq", "16", "--tiles", "2", "--iters", "2", "--warmup", "1",
-                 "--out", out]) == 0
+    assert main(["helix-bench", "--link", "paced:20mbit", "--hidden", "32", "--heads", "4",
+                 "--batch", "4", "--seq", "16", "--tiles", "2", "--iters", "2", "--warmup",
+                 "1", "--out", out]) == 0
     rows = json.load(open(out + ".json"))["rows"]
     assert [r["method"] for r in rows] == ["compiled, no passes", "helix K=2"]
     for r in rows:

@@ -117,7 +117,7 @@ def test_phi_moe_is_planned_as_moe():
     behind the other strand's compute."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
-    from dhelix.planner.cli import layer_for_shape, load_costs
+    from dhelix.planner.problem import layer_for_shape, load_costs
     from dhelix.planner.costmodel import load_cluster
     shape = {"config": "phi-3.5-moe", "tp": 1, "sp": False, "seq": 4096, "mbs": 1,
              "bf16": True, "lane": "intra", "ep": 8}

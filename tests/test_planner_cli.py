@@ -1,4 +1,5 @@
-"""`dhelix plan | simulate | plan-sweep` (dhelix/planner/cli.py), run in-process."""
+"""`dhelix plan | simulate | plan-sweep` (dhelix/cli/plan.py, simulate.py, plan_sweep.py), run
+in-process."""
 import json
 import os
 
@@ -6,7 +7,7 @@ import pytest
 
 from dhelix.cli import main
 from dhelix.models.config import load_model_config
-from dhelix.planner.cli import parse_bytes
+from dhelix.base.units import parse_bytes
 from dhelix.planner.costmodel import analytical_table, load_cluster
 from dhelix.planner.plan import Plan, validate
 from dhelix.planner.shapes import layer_ops_for_shape
@@ -193,6 +194,31 @@ def test_plan_sweep(tmp_path, capsys):
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "| llama-8b" in out and "speedup" in out
+    # the speedup is over the trivial plan, and says so (not over megatron)
+    assert "| speedup vs trivial plan |" in out and "x the trivial plan" in out
+    assert d["setting"]["speedup_vs"] == "trivial plan"
+
+
+def test_plan_sweep_chart_title_fits(tmp_path, monkeypatch):
+    """A long setting wraps: the whole title lies inside the picture."""
+    import matplotlib.figure
+    from dhelix.planner.sweep import sweep_chart
+    seen = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, *a, **k):
+        save(fig, *a, **k)
+        r = fig.canvas.get_renderer()
+        seen["title"] = fig.axes[0].title.get_window_extent(r)
+        seen["fig"] = fig.bbox
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    rows = [{"config": "llama-8b", "cluster": c, "speedup": 1.3} for c in ("a800", "h100")]
+    title = ("DHelix planner, predicted speedup vs trivial plan (TP=8, SP, seq 4096, mbs 1, "
+             "bf16, lane intra, CP=2 (ring attention, 2048 tokens per rank, inter-node); "
+             "DP=2 × TP=8 × CP=2 × PP=2 = 64 GPUs, 4 micro-batches per step)")
+    sweep_chart(rows, str(tmp_path / "s.png"), title)
+    t, f = seen["title"], seen["fig"]
+    assert f.x0 <= t.x0 and t.x1 <= f.x1 and f.y0 <= t.y0 and t.y1 <= f.y1, (t, f)
 
 
 def test_plan_sweep_reports_failing_combinations(tmp_path, capsys):

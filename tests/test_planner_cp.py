@@ -11,7 +11,7 @@ import yaml
 from dhelix.cli import main
 from dhelix.models.config import load_model_config
 from dhelix.planner import dp
-from dhelix.planner.cli import cp_lane, layer_for_shape, load_costs, per_rank_shape
+from dhelix.planner.problem import cp_lane, layer_for_shape, load_costs, per_rank_shape
 from dhelix.planner.costmodel import analytical_table, group_sizes_of, load_cluster
 from dhelix.planner.example_layer import random_table
 from dhelix.planner.plan import Plan, trivial_plan, validate

@@ -258,8 +258,8 @@ def test_plan_file_and_trace(tmp_path):
     paired_steps = sum(1 for s in plan.steps if s.fwd and s.bwd)
     assert paired_steps > 0
     # one co-executed layer step per layer (tiny: 2) for F2 ∥ B1
-    assert _co_steps(trace) == 2 * paired_steps
-    assert _co_steps(triv) == 0
+    assert _co_steps(str(tmp_path / "paired.rank0.json")) == 2 * paired_steps
+    assert _co_steps(str(tmp_path / "trivial.rank0.json")) == 0
     from dhelix.testing import RankError
     with pytest.raises(RankError, match=r"bad.json: rule 'layer-shape'"):
         run_ranks(train_result, 2, timeout=300, dhelix={"enabled": True, "plan": bad}, **kw)

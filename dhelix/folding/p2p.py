@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from dhelix.folding.order import FoldedOrder, Item, travels_down
+from dhelix.planner.pipeline_order import FoldedOrder, Item, travels_down
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 
-from dhelix.folding.order import FoldedOrder, folded_order, travels_down
+from dhelix.planner.pipeline_order import FoldedOrder, folded_order, travels_down
 from dhelix.folding.p2p import Batch, batches as p2p_batches
 from dhelix.schedules.dhelix import DHelixSchedule, co_step
 from dhelix.schedules.microbatch import Microbatch, MicrobatchSteps

@@ -1,4 +1,5 @@
-"""`python -m dhelix.helix.bench`: Helix's passes measured on the paced link.
+"""`dhelix helix-bench` (flags in dhelix/cli/helix_bench.py): Helix's passes measured on
+the paced link.
 
 For the reference program (a TP+SP transformer block, or the small GPT) on local gloo
 ranks, each configuration — the program compiled without the passes, and Helix with K
@@ -8,13 +9,33 @@ markdown table, JSON, a bar chart and a before/after timeline (PNG + Chrome trac
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 from typing import List
+
+
+@dataclass
+class HelixBenchOptions:
+    """What `dhelix helix-bench` takes (its defaults are the parser's)."""
+    nproc: int                  # local gloo ranks: the TP group
+    link: str                   # paced:RATE[,LATENCY]
+    model: str                  # "block" (one TP+SP block) or "gpt"
+    hidden: int
+    heads: int
+    layers: int                 # gpt only
+    vocab: int                  # gpt only
+    batch: int
+    seq: int
+    tiles: List[int]            # tile-stream counts K to compare
+    bucketing: bool
+    inductor: bool
+    iters: int
+    warmup: int
+    out: str                    # prefix for .md, .json, .png, .timeline.png, .trace.json
 
 
 def _configs(tiles: List[int], bucketing: bool = False):
@@ -258,46 +279,28 @@ def draw(result, out: str) -> List[str]:
     return [out + ".png", out + ".timeline.png", out + ".trace.json"]
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dhelix.helix.bench", description=__doc__)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--link", default="paced:1gbit", help="paced:RATE[,LATENCY]")
-    p.add_argument("--model", choices=["block", "gpt"], default="block")
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--layers", type=int, default=2, help="gpt only")
-    p.add_argument("--vocab", type=int, default=512, help="gpt only")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--tiles", default="2,4", help="K values to compare (default: 2,4)")
-    p.add_argument("--bucketing", action="store_true",
-                   help="add rows where Helix merges the streams' collectives where its "
-                        "simulation of --link says it pays (beside the rows without)")
-    p.add_argument("--inductor", action="store_true",
-                   help="add the program compiled by Inductor, without and with PyTorch's "
-                        "reorder_for_compute_comm_overlap (needs a C++ compiler; compiles "
-                        "take a minute each here)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", default="helix-bench")
-    a = p.parse_args(argv)
-    a.tiles = [int(k) for k in a.tiles.split(",") if k]
-    from dhelix.links import parse_link
-    if parse_link(a.link).kind != "paced":
-        p.error(f"--link {a.link}: give a paced link (paced:RATE[,LATENCY])")
+def run_bench(o: HelixBenchOptions) -> int:
+    """Time every configuration on `o.nproc` local ranks; write the table, JSON and
+    pictures under the `o.out` prefix."""
+    from dhelix.links import LinkError, parse_link
+    try:
+        kind = parse_link(o.link).kind
+    except LinkError as e:
+        print(f"dhelix helix-bench: error: {e}", file=sys.stderr)
+        return 2
+    if kind != "paced":
+        print(f"dhelix helix-bench: error: --link {o.link}: give a paced link "
+              f"(paced:RATE[,LATENCY])", file=sys.stderr)
+        return 2
     from dhelix.testing import run_ranks
-    res = run_ranks(on_rank, a.nproc, a, timeout=3600)[0]
+    res = run_ranks(on_rank, o.nproc, o, timeout=3600)[0]
     md = markdown(res["rows"])
     print(md)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out + ".md", "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(o.out)), exist_ok=True)
+    with open(o.out + ".md", "w") as f:
         f.write(md + "\n")
-    with open(a.out + ".json", "w") as f:
-        json.dump({"args": vars(a), "rows": res["rows"]}, f, indent=1)
-    files = draw(res, a.out)
-    print(f"helix bench: wrote {a.out}.md, {a.out}.json, {', '.join(files)}")
+    with open(o.out + ".json", "w") as f:
+        json.dump({"args": asdict(o), "rows": res["rows"]}, f, indent=1)
+    files = draw(res, o.out)
+    print(f"helix bench: wrote {o.out}.md, {o.out}.json, {', '.join(files)}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Reference programs for Helix: a transformer block and a small GPT, parallelized with
 PyTorch's own tensor-parallel API (DTensor): column/row-parallel linears, sequence-parallel
-norms, a vocabulary-parallel embedding. Tests and `python -m dhelix.helix.bench` use them."""
+norms, a vocabulary-parallel embedding. Tests and `dhelix helix-bench` use them."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

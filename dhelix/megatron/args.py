@@ -1,8 +1,28 @@
-"""`--dhelix*` arguments, as a Megatron-LM `extra_args_provider`."""
+"""`--dhelix*` arguments, as a Megatron-LM `extra_args_provider`.
+
+The one module below dhelix/cli/ that uses argparse: Megatron-LM hands its
+`extra_args_provider` an argparse parser, and `dhelix train` adds the same flags to its own
+(dhelix/cli/train.py), so both read them alike.
+"""
 from __future__ import annotations
 
 import argparse
 import os
+
+from dhelix.base.units import SizeError, parse_bytes
+
+
+def _bytes(text: str) -> float:
+    """A byte count as `dhelix plan --memory-budget` takes it: 2GiB, 500MB, 1.5G or a plain
+    number (a negative one is refused by check_dhelix_args, which names the flag)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return parse_bytes(text)
+    except SizeError as e:
+        raise argparse.ArgumentTypeError(str(e))
 
 
 def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -18,8 +38,9 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dhelix-cluster", default=None, metavar="NAME_OR_YAML",
                    help="cluster file or name (a40, a800, h100: configs/clusters/) for the "
                         "analytical model")
-    g.add_argument("--dhelix-memory-budget", type=float, default=None, metavar="BYTES",
-                   help="reject plans whose simulated peak memory exceeds this")
+    g.add_argument("--dhelix-memory-budget", type=_bytes, default=None, metavar="BYTES",
+                   help="reject plans whose simulated peak memory exceeds this, e.g. 2GiB, "
+                        "500MB or a number of bytes")
     g.add_argument("--dhelix-fold", action="store_true",
                    help="the U-folded pipeline with --pipeline-model-parallel-size G > 1: "
                         "stage g holds the g-th layer chunk from the front and from the "

@@ -200,11 +200,17 @@ SHAPE_FIELDS = {"hidden": "hidden_size", "ffn": "ffn_hidden_size", "seq": "seq_l
 
 
 def shape_difference(planned, current) -> str:
-    """'seq_length: plan 4096, this run 64; ...' for the shape fields that differ."""
+    """'seq_length: plan 4096, this run 64; ...' for the shape fields that differ. Only
+    fields both record are compared: a field the plan does not record (`dhelix plan`
+    writes its flags: config, tp, sp, seq, mbs, bf16, ...) is not a difference."""
     if not isinstance(planned, dict) or not isinstance(current, dict):
         return ""
-    out = [f"{SHAPE_FIELDS.get(k, k)}: plan {planned.get(k)}, this run {current.get(k)}"
-           for k in SHAPE_FIELDS if k in current and planned.get(k) != current.get(k)]
+    planned = dict(planned)
+    if "dtype_bytes" not in planned and isinstance(planned.get("bf16"), bool):
+        planned["dtype_bytes"] = 2 if planned["bf16"] else 4     # --bf16, as the layer's
+    out = [f"{SHAPE_FIELDS.get(k, k)}: plan {planned[k]}, this run {current[k]}"
+           for k in SHAPE_FIELDS
+           if k in current and k in planned and planned[k] != current[k]]
     return "; ".join(out)
 
 

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from dhelix.compat.cpu import D2H_POISON
 from dhelix.planner.chains import layer_chains
-from dhelix.strand.program import LayerProgram, _traced, _wgrad, mlp_activation
+from dhelix.strand.program import LayerProgram, _wgrad, mlp_activation
+from dhelix.strand.traced import traced
 
 # the dispatcher's per-micro-batch routing, set by dispatch_preprocess
 _ROUTING = ("hidden_shape", "probs", "routing_map", "tokens_per_expert",
@@ -106,7 +107,7 @@ class MoEProgram(LayerProgram):
         detached. Outputs that need no grad (the routing map) pass through."""
         xs = tuple((S.get(k) if isinstance(k, str) else k).detach().requires_grad_()
                    for k in inputs)
-        ys = _traced(lambda a: fn(*a), xs)
+        ys = traced(lambda a: fn(*a), xs)
         ys = ys if isinstance(ys, tuple) else (ys,)
         S.put(key_graph, (xs, ys))
         return tuple(y.detach() for y in ys)

@@ -22,7 +22,7 @@ from dhelix.planner.chains import layer_chains
 from dhelix.planner.opspec import LayerOps, OpSpec
 from dhelix.planner.shapes import LayerShape, estimate_layer_ops
 from dhelix.strand.state import StrandState
-from dhelix.base.memory import METER
+from dhelix.strand.traced import traced
 
 
 @dataclass
@@ -40,26 +40,6 @@ class _Passthrough(torch.nn.Module):
 
     def forward(self, x, *args, **kwargs):
         return x, None
-
-
-def _traced(fn, x, owned=()):
-    """Build fn's local autograd graph. Saved tensors are counted by the activation
-    meter, as for megatron's layer. An `owned` input that no op saved is only needed
-    for its identity in backward: its storage is freed now (megatron's own graph never
-    keeps such a tensor either), so DHelix keeps no extra activations."""
-    saved = set()
-
-    def pack(t):
-        saved.add(t.untyped_storage().data_ptr())
-        return (t, METER.hold(t))
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda p: p[0]):
-        y = fn(x)
-    for t in owned:
-        st = t.untyped_storage()
-        if st.data_ptr() not in saved and st.data_ptr() != y.untyped_storage().data_ptr():
-            st.resize_(0)
-    return y
 
 
 def _wgrad(g: torch.Tensor, x: torch.Tensor):
@@ -192,7 +172,7 @@ class LayerProgram:
     def _local(self, S, key_in, key_graph, fn, owned=False):
         """Run fn on a detached copy of S[key_in] with autograd, keep the local graph."""
         x = S.get(key_in).detach().requires_grad_()
-        y = _traced(fn, x, owned=(x,) if owned else ())
+        y = traced(fn, x, owned=(x,) if owned else ())
         S.put(key_graph, (x, y))
         return y.detach()
 
@@ -231,7 +211,7 @@ class LayerProgram:
         x = S.get(key_x).detach().requires_grad_()
         r = S.get(key_res).detach().requires_grad_()
         layer = self.layer
-        y = _traced(lambda x_: bda(layer.training, self.cfg.bias_dropout_fusion)(
+        y = traced(lambda x_: bda(layer.training, self.cfg.bias_dropout_fusion)(
             (x_, bias), r, layer.hidden_dropout), x, owned=(x,))
         S.put(key_graph, (x, r, y))
         S.drop(key_x)

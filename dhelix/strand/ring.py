@@ -18,7 +18,7 @@ from typing import Callable, Dict
 import torch
 
 from dhelix.models import ring_attention as R
-from dhelix.strand.program import _traced
+from dhelix.strand.traced import traced
 from dhelix.strand.state import StrandState
 
 
@@ -60,7 +60,7 @@ class RingOps:
     def _attn_in(self, S):
         self.p._meta = S.meta
         x = S.get("qkv").detach().requires_grad_()
-        y = _traced(self._split_of, x, owned=(x,))
+        y = traced(self._split_of, x, owned=(x,))
         S.drop("qkv")
         heads, groups, hn = self.dims
         s, b = y.shape[:2]

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from dhelix.strand.lanes import Lanes, Pending
+from dhelix.strand.lane_api import Lanes, Pending
 
 
 class StrictLaneError(RuntimeError):

@@ -176,35 +176,125 @@ def chrome_trace(events: Sequence, rank: int = 0) -> dict:
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
-def plot_timeline(events: Sequence, path: str, title: str = "") -> None:
+STRAND_COLORS = {"α": "tab:blue", "β": "tab:orange"}
+PHASE_COLORS = {"F": "#d9d9d9", "F∥B": "#b7e4b0", "B": "#f2d7b6"}
+PHASE_NAMES = {"F": "F alone (first forward)", "F∥B": "F ∥ B (paired)",
+               "B": "B alone (last backward)"}
+
+
+def _mb(label: str) -> str:
+    """'F3' -> 'F(3)'; any other label as it is."""
+    if len(label) > 1 and label[0] in "FB" and label[1:].isdigit():
+        return f"{label[0]}({label[1:]})"
+    return label
+
+
+def phases(events: Sequence) -> List[Tuple[str, str, float, float]]:
+    """(kind, label, start, end) per phase of the step, in time order: kind 'F' (a
+    forward alone: F(1)), 'F∥B' (a forward beside a backward: F(k+1) ∥ B(k)) or 'B' (a
+    backward alone: B(N)). A micro-batch's executor steps (first to last) that overlap
+    the other strand's make one paired phase; seconds from the events."""
+    spans = {}          # (strand, label) -> [first step, last step, start, end]
+    for e in events:
+        if not e.label:
+            continue
+        sp = spans.setdefault((e.strand, e.label), [e.step, e.step, e.start, e.end])
+        sp[0], sp[1] = min(sp[0], e.step), max(sp[1], e.step)
+        sp[2], sp[3] = min(sp[2], e.start), max(sp[3], e.end)
+    fwd = sorted((v, k[1]) for k, v in spans.items() if k[0] == "α")
+    bwd = sorted((v, k[1]) for k, v in spans.items() if k[0] == "β")
+    out, used = [], set()
+    for (fs, fe, ft0, ft1), fl in fwd:
+        with_b = [(v, bl) for v, bl in bwd if v[0] <= fe and fs <= v[1]]
+        if not with_b:
+            out.append(("F", _mb(fl), ft0, ft1))
+            continue
+        used.update(bl for _, bl in with_b)
+        out.append(("F∥B", f"{_mb(fl)} ∥ {', '.join(_mb(bl) for _, bl in with_b)}",
+                    min([ft0] + [v[2] for v, _ in with_b]),
+                    max([ft1] + [v[3] for v, _ in with_b])))
+    out += [("B", _mb(bl), v[2], v[3]) for v, bl in bwd if bl not in used]
+    return sorted(out, key=lambda p: p[2])
+
+
+def timeline_figure(events: Sequence, title: str = ""):
+    """The timeline as a matplotlib figure: one row per lane, every op a bar coloured by
+    its strand with its name where it fits, the phases (F(1), F(k+1) ∥ B(k), B(N))
+    shaded and named above the lanes, and a legend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    lanes = [l for l in LANE_TID if any(e.lane == l for e in events)] or ["compute"]
-    colors = {"α": "tab:blue", "β": "tab:orange"}
-    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.6 * len(lanes)))
+    lanes = [l for l in LANE_TID if any(e.lane == l for e in events)]
+    lanes += sorted({e.lane for e in events} - set(lanes))
+    lanes = lanes or ["compute"]
+    fig, ax = plt.subplots(figsize=(16, 1.9 + 0.7 * len(lanes)))
+    bars = []
     for e in events:
-        y = lanes.index(e.lane) if e.lane in lanes else 0
-        ax.barh(y, (e.end - e.start) * 1e3, left=e.start * 1e3, height=0.6,
-                color=colors.get(e.strand, "tab:gray"), edgecolor="black", linewidth=0.3)
+        y = lanes.index(e.lane)
+        w = (e.end - e.start) * 1e3
+        ax.barh(y, w, left=e.start * 1e3, height=0.6,
+                color=STRAND_COLORS.get(e.strand, "tab:gray"), edgecolor="black",
+                linewidth=0.3, zorder=2)
+        bars.append((e.op, e.start * 1e3, w, y))
+    top = len(lanes) - 0.5
+    kinds = []
+    for i, (kind, label, t0, t1) in enumerate(phases(events)):
+        ax.axvspan(t0 * 1e3, t1 * 1e3, color=PHASE_COLORS[kind], alpha=0.6, zorder=0,
+                   linewidth=0)
+        ax.text((t0 + t1) / 2 * 1e3, top + (0.08 if i % 2 == 0 else 0.38), label,
+                ha="center", va="bottom", fontsize=8, zorder=3)
+        kinds.append(kind)
+    ax.set_ylim(-0.5, top + 0.75)
+    if events:
+        t_end = max(e.end for e in events) * 1e3
+        ax.set_xlim(min(e.start for e in events) * 1e3, t_end if t_end > 0 else 1.0)
     ax.set_yticks(range(len(lanes)))
     ax.set_yticklabels(lanes)
     ax.set_xlabel("ms")
-    ax.set_title(title or "DHelix executor timeline (blue: α forward, orange: β backward)")
+    ax.set_title(title or "DHelix executor timeline (last iteration)")
+    handles = [Patch(color=STRAND_COLORS["α"], label="α: forward ops"),
+               Patch(color=STRAND_COLORS["β"], label="β: backward ops")]
+    handles += [Patch(color=PHASE_COLORS[k], alpha=0.6, label=PHASE_NAMES[k])
+                for k in PHASE_COLORS if k in kinds]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8,
+              frameon=False)
     fig.tight_layout()
+    # op names where they fit: measured once the layout is fixed
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for name, x, w, y in bars:
+        (px0, _), (px1, _) = ax.transData.transform([(x, y), (x + w, y)])
+        if px1 - px0 < 8:
+            continue
+        t = ax.text(x + w / 2, y, name, ha="center", va="center", fontsize=6, zorder=3,
+                    clip_on=True)
+        if t.get_window_extent(renderer).width > (px1 - px0) - 2:
+            t.remove()
+    return fig
+
+
+def plot_timeline(events: Sequence, path: str, title: str = "") -> None:
+    import matplotlib.pyplot as plt
+    fig = timeline_figure(events, title)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write_trace(events: Sequence, path: str, rank: int = 0) -> List[str]:
-    """Write PATH (Chrome trace JSON) and PATH with .png (timeline); per rank if > 0."""
+def trace_files(path: str, rank: int = 0) -> Tuple[str, str]:
+    """(JSON, PNG) that `--dhelix-trace PATH` writes on `rank`: PATH's stem with
+    `.rank{rank}` (every rank, rank 0 too): trace.json -> trace.rank0.json, trace.rank0.png."""
     base, ext = os.path.splitext(path)
-    if rank:
-        base = f"{base}.rank{rank}"
-    jpath, ppath = base + (ext or ".json"), base + ".png"
+    base = f"{base}.rank{rank}"
+    return base + (ext or ".json"), base + ".png"
+
+
+def write_trace(events: Sequence, path: str, rank: int = 0) -> List[str]:
+    """Write this rank's Chrome trace JSON and PNG timeline (`trace_files`)."""
+    jpath, ppath = trace_files(path, rank)
     os.makedirs(os.path.dirname(os.path.abspath(jpath)), exist_ok=True)
     with open(jpath, "w") as f:
         json.dump(chrome_trace(events, rank), f)
-    plot_timeline(events, ppath)
+    plot_timeline(events, ppath, f"DHelix executor timeline, rank {rank} (last iteration)")
     return [jpath, ppath]

@@ -54,6 +54,7 @@ def init_distributed(timeout_s: float = 120.0) -> DistInfo:
         install_from_env()          # --link paced:...: before the first collective
         dist.init_process_group(backend=backend, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        _install_crash_hook()       # after torch's own hook, which it replaces
     return DistInfo(rank, world, local, node_ids(world)[rank], backend, device)
 
 
@@ -67,69 +68,185 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                 extra_env: Optional[dict] = None, prefix: Optional[List[str]] = None,
                 log: Optional[str] = None, name: str = "dhelix") -> int:
     """Run `python -m dhelix.cli argv` as `nproc` local ranks. If one rank fails, the
-    others are stopped and a summary says which rank failed, how (exit code or signal),
-    at what iteration, and that the others were stopped; an error message the ranks
-    report (bad input) is printed once, not once per rank. Returns the exit code."""
+    others are stopped and a summary names the first rank to fail (see `_first_failure`),
+    how (exit code or signal), at what iteration, and that the others were stopped, after
+    that rank's own traceback; the others' lost-connection errors are left out. An error
+    message the ranks report (bad input) is printed once, not once per rank. Ctrl-C
+    (SIGINT) stops the ranks with one line and exit code 130; the ranks themselves ignore
+    SIGINT (a terminal's Ctrl-C reaches the whole process group), the launcher stops
+    them. Returns the exit code."""
+    import shutil
     import tempfile
     port = free_port()
     procs = []
     sink = open(log, "a") if log else None     # ranks' output goes to a log file
     status = tempfile.mkdtemp(prefix="dhelix-ranks-")   # errors and progress, per rank
-    for r in range(nproc):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), DHELIX_RANK_STATUS=status,
-                   OMP_NUM_THREADS=os.environ.get(
-                       "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
-        cpus = local_cpus(r, nproc)
-        if cpus and "DHELIX_CPUS" not in os.environ:
-            env["DHELIX_CPUS"] = cpus
-        env.update(extra_env or {})
-        procs.append(subprocess.Popen(list(prefix or []) + [sys.executable, "-m", "dhelix.cli"]
-                                      + argv, env=env,
-                                      stdout=sink, stderr=sink))
-    start = time.time()
+    exited = {}             # rank -> (wall time its exit was first seen, exit code)
     rc = 0
-    first = None
+    failed = False
+    interrupted = False
     try:
+        for r in range(nproc):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
+                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), DHELIX_RANK_STATUS=status,
+                       OMP_NUM_THREADS=os.environ.get(
+                           "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
+            cpus = local_cpus(r, nproc)
+            if cpus and "DHELIX_CPUS" not in os.environ:
+                env["DHELIX_CPUS"] = cpus
+            env.update(extra_env or {})
+            procs.append(_popen_ignoring_sigint(
+                list(prefix or []) + [sys.executable, "-m", "dhelix.cli"] + argv,
+                env=env, stdout=sink, stderr=sink))
+        start = time.time()
+        first_seen = None
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                first = failed[0]
-                rc = first[1]
+            now = time.time()
+            for r, p in enumerate(procs):
+                c = p.poll()
+                if c is not None and r not in exited:
+                    exited[r] = (now, c)
+            if any(c != 0 for _, c in exited.values()):
+                failed = True
+                first_seen = first_seen or now
+                # a moment for the others to end on their own (their records say when
+                # they failed and why); one still waiting on a collective is stopped
+                if len(exited) == nproc or now - first_seen > _FAILURE_GRACE_S:
+                    break
+            elif len(exited) == nproc:
                 break
-            if all(c == 0 for c in codes):
-                break
-            if timeout_s and time.time() - start > timeout_s:
+            if (not failed and timeout_s and now - start > timeout_s):
                 print(f"{name}: ranks did not finish within {timeout_s:.0f}s; stopping them",
                       file=sys.stderr)
                 rc = 124
                 break
             time.sleep(0.05)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
+        if sink is not None and not interrupted:
+            _log_crashes(sink, status)
         if sink is not None:
             sink.close()
         from dhelix.links.shm import remove_segments
         remove_segments(port)
-        if first is not None:
-            _report_failure(name, first[0], first[1], nproc, status)
-        import shutil
-        shutil.rmtree(status, ignore_errors=True)
+        try:
+            if interrupted:
+                rc = 130
+                n = len(procs)
+                print(f"{name}: interrupted; stopped {n} rank{'s' if n != 1 else ''}",
+                      file=sys.stderr)
+            elif failed:
+                rank, code = _first_failure(status, exited, nproc)
+                rc = code if code not in (None, 0) else 1
+                _report_failure(name, rank, code, nproc, status)
+        finally:
+            shutil.rmtree(status, ignore_errors=True)
     # a rank killed by a signal: the shell convention, 128 + signal
     return 128 - rc if rc < 0 else rc
 
 
-def _report_failure(name: str, rank: int, code: int, nproc: int, status: str) -> None:
-    """torchrun-style summary of a failed job, on the launcher's stderr."""
+_FAILURE_GRACE_S = 1.0
+
+# what a rank dies of when another rank died first: a consequence, never the cause
+_LOST_PEER = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def _popen_ignoring_sigint(cmd, **kw) -> subprocess.Popen:
+    """Start a rank with SIGINT ignored (inherited through exec; Python then installs no
+    KeyboardInterrupt handler): a terminal's Ctrl-C reaches only the launcher's handling,
+    which stops the ranks, instead of a traceback from every rank."""
+    import signal
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return subprocess.Popen(cmd, **kw)
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return subprocess.Popen(cmd, **kw)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _stop(procs) -> None:
+    """Terminate the ranks still running, wait up to 10 s, then kill (at once on a second
+    Ctrl-C)."""
+    try:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+
+
+def _crashes(status: str) -> dict:
+    """rank -> the record its exception hook left (`_record_crash`): time, error."""
+    import glob
+    import json
+    out = {}
+    for path in glob.glob(os.path.join(status, "crash.rank*")):
+        try:
+            with open(path) as f:
+                out[int(path.rsplit("rank", 1)[1])] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _lost_peer(error: str) -> bool:
+    last = error.strip().splitlines()[-1].lower() if error.strip() else ""
+    return any(s in last for s in _LOST_PEER)
+
+
+def _first_failure(status: str, exited: dict, nproc: int):
+    """(rank, exit code or None) of the rank that failed first: among the ranks that
+    exited non-zero on their own or recorded an exception, the earliest by the time it
+    recorded its failure (else the time its exit was seen); a rank whose own error is a
+    lost connection ("connection closed by peer": another rank died) comes after every
+    rank that failed of something else."""
+    crashes = _crashes(status)
+    cands = []
+    for r in range(nproc):
+        t, code = exited.get(r, (None, None))
+        rec = crashes.get(r)
+        if rec is None and code in (None, 0):
+            continue
+        when = rec["time"] if rec is not None else t
+        cands.append((rec is not None and _lost_peer(rec.get("error", "")),
+                      when if when is not None else float("inf"), r, code))
+    if not cands:
+        return 0, None
+    _, _, rank, code = min(cands)
+    return rank, code
+
+
+def _log_crashes(sink, status: str) -> None:
+    """Every rank's recorded traceback into the log the ranks write."""
+    for r, rec in sorted(_crashes(status).items()):
+        sink.write(_prefixed(r, rec.get("error", "")))
+    sink.flush()
+
+
+def _prefixed(rank: int, text: str) -> str:
+    return "".join(f"[rank{rank}]: {line}\n" for line in text.rstrip("\n").splitlines())
+
+
+def _report_failure(name: str, rank: int, code: Optional[int], nproc: int,
+                    status: str) -> None:
+    """torchrun-style summary of a failed job, on the launcher's stderr: the first
+    failed rank's traceback, then one line naming it."""
     import glob
     import signal as _signal
     errors = {}
@@ -141,7 +258,14 @@ def _report_failure(name: str, rank: int, code: int, nproc: int, status: str) ->
         for msg, ranks in errors.items():
             print(msg, file=sys.stderr)
         return
-    if code < 0:
+    rec = _crashes(status).get(rank)
+    if rec is not None and rec.get("error"):
+        sys.stderr.write(_prefixed(rank, rec["error"]))
+    if code is None:
+        # it recorded its exception, then was stopped while tearing down
+        last = rec["error"].strip().splitlines()[-1] if rec and rec.get("error") else ""
+        how = f"failed ({last.split(':', 1)[0]})" if last else "failed"
+    elif code < 0:
         try:
             how = f"was killed by signal {-code} ({_signal.Signals(-code).name})"
         except ValueError:
@@ -174,6 +298,40 @@ def report_progress(iteration: int) -> None:
                 f.write(str(iteration))
         except OSError:
             pass
+
+
+def _install_crash_hook() -> None:
+    """Under `spawn_local`: an uncaught exception is recorded (time, traceback) in the
+    status directory for the launcher, which shows the first failed rank's and leaves
+    out the others' (most often "connection closed by peer"), instead of every rank
+    printing its own."""
+    if not os.environ.get("DHELIX_RANK_STATUS"):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not _record_crash(kind, value, tb):
+            previous(kind, value, tb)
+    sys.excepthook = hook
+
+
+def _record_crash(kind, value, tb) -> bool:
+    import json
+    import traceback
+    status = os.environ.get("DHELIX_RANK_STATUS")
+    if not status:
+        return False
+    when = time.time()
+    rank = os.environ.get("RANK", "0")
+    text = "".join(traceback.format_exception(kind, value, tb))
+    path = os.path.join(status, f"crash.rank{rank}")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"time": when, "error": text}, f)
+        os.replace(path + ".tmp", path)
+        return True
+    except OSError:
+        return False
 
 
 def report_error(message: str) -> bool:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dhelix.models.config import ModelConfig
-from dhelix.schedules import make_schedule
+from dhelix.train.schedules import make_schedule
 from dhelix.train.config import Layout, TrainConfig, check_layout, model_of
 
 
@@ -179,6 +179,7 @@ def train(cfg: TrainConfig) -> dict:
     memory = StepMemory(info.device)
     act_peaks, total_peaks = [], []      # per iteration, bytes
     from dhelix.train.dist import report_progress
+    started = time.perf_counter()
     for it in range(cfg.train_iters):
         report_progress(it + 1)
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -207,7 +208,9 @@ def train(cfg: TrainConfig) -> dict:
         if rank0 and (it + 1) % cfg.log_interval == 0:
             print(f" iter {it + 1:4d}/{cfg.train_iters} | loss {loss:.6f} | "
                   f"{tokens_per_step / dt:9.0f} tokens/s | {dt * 1000:7.1f} ms | "
-                  f"peak act. {act_peaks[-1] / 2**20:.2f} MiB", flush=True)
+                  f"peak act. {act_peaks[-1] / 2**20:.2f} MiB | "
+                  f"{progress_clock(time.perf_counter() - started, times, cfg.train_iters)}",
+                  flush=True)
     eval_loss = None
     if cfg.eval_iters:
         for c in chunks:
@@ -276,6 +279,21 @@ def train(cfg: TrainConfig) -> dict:
         with open(cfg.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def clock(seconds: float) -> str:
+    """H:MM:SS (hours unbounded)."""
+    s = max(0, int(round(seconds)))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress_clock(elapsed: float, times: List[float], total: int) -> str:
+    """'elapsed H:MM:SS | ETA H:MM:SS' after len(times) of `total` steps: the remaining
+    steps at the mean steady step time (the first step, which warms up, left out once
+    there are others)."""
+    steady = times[1:] if len(times) > 1 else times
+    per_step = sum(steady) / len(steady) if steady else 0.0
+    return f"elapsed {clock(elapsed)} | ETA {clock(per_step * (total - len(times)))}"
 
 
 def _link_stats() -> Optional[dict]:

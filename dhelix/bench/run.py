@@ -1,4 +1,5 @@
 """`dhelix bench`: the emulated-cluster benchmark (DESIGN §4), all methods in one run.
+(The flags are parsed in dhelix/cli/bench.py.)
 
 For each link (`dhelix.links`: the paced link model, or a tbf-limited namespace) and
 model size, the same GPT is trained for the same steps by
@@ -31,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from typing import Dict, List
 
 from dhelix.links import parse_link
@@ -42,46 +44,23 @@ PP_METHODS = ("megatron-1f1b", "megatron-interleaved", "dhelix-fold")
 EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
 
 
-def register(sub):
-    p = sub.add_parser("bench", help="baseline vs intra-batch peer vs DHelix over "
-                                     "emulated slow links (tbf links need root)")
-    p.add_argument("--configs", default="small16",
-                   help="comma-separated model configs (default: %(default)s, 16 layers)")
-    p.add_argument("--links", default="none,paced:2gbit,paced:1gbit,2gbit",
-                   help="comma-separated links, each as --link takes it: 'none', "
-                        "'paced:RATE[,LATENCY]' (link model, no CPU cost) or 'RATE' (tc tbf "
-                        "namespace: needs root) (default: %(default)s)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks (default: %(default)s)")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=2,
-                   help="TP, with sequence parallel (default: %(default)s)")
-    p.add_argument("--seq-length", type=int, default=128, help="(default: %(default)s)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="(default: %(default)s)")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="G",
-                   help="G > 1: compare the pipeline schedules (1F1B, interleaved, DHelix "
-                        "fold) on TP × G ranks (default: %(default)s)")
-    p.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
-                   help="C > 1: every sequence over C ranks, ring attention; --nproc must "
-                        "hold TP×C (default: %(default)s)")
-    p.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
-                   help="MoE configs (tiny-moe, small-moe): experts over P ranks, all-to-all "
-                        "between them; rows megatron, DHelix trivial, DHelix plan "
-                        "(default: %(default)s)")
-    p.add_argument("--num-microbatches", type=int, default=8,
-                   help="micro-batches per step (default: %(default)s)")
-    p.add_argument("--train-iters", type=int, default=6,
-                   help="steps per run; the first is not timed (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run every method this many times, alternating, and take the "
-                        "median step over all rounds (this machine's speed drifts; "
-                        "default: %(default)s)")
-    p.add_argument("--planner-source", choices=["table", "analytical"], default="table",
-                   help="plan 4 from a pairwise table profiled in the same namespace just "
-                        "before (DHelix's way), or from the analytical model of this machine")
-    p.add_argument("--profile-repeats", type=int, default=3,
-                   help="timed repeats per op and pair in the profile (default: %(default)s)")
-    p.add_argument("--out", default="bench", help="prefix for .md, .json and .png "
-                                                  "(default: %(default)s)")
-    p.set_defaults(func=run)
+@dataclass
+class BenchOptions:
+    configs: str = "small16"                  # comma-separated model configs
+    links: str = "none,paced:2gbit,paced:1gbit,2gbit"
+    nproc: int = 2
+    tensor_model_parallel_size: int = 2       # with sequence parallel
+    seq_length: int = 128
+    micro_batch_size: int = 4
+    pipeline_model_parallel_size: int = 1     # > 1: the pipeline schedules
+    context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    num_microbatches: int = 8
+    train_iters: int = 6                      # steps per run; the first is not timed
+    rounds: int = 1                           # every method this many times, alternating
+    planner_source: str = "table"             # "table" (profiled) or "analytical"
+    profile_repeats: int = 3
+    out: str = "bench"                        # prefix for .md, .json and .png
 
 
 def machine_cluster(rate: str, path: str) -> str:
@@ -204,11 +183,12 @@ def rewrite(json_path: str, out: str) -> None:
         plot(rows, out + ".png", [m for m in METHODS if any(r["method"] == m for r in rows)])
 
 
-def run(a, argv) -> int:
+def run_bench(a: BenchOptions) -> int:
     from tqdm import tqdm
 
     from dhelix.links import LinkError, launch
     from dhelix.links.tbf import NetnsError
+    from dhelix.strand.trace import trace_files
     from dhelix.train.dist import spawn_local
 
     configs = [c for c in a.configs.split(",") if c]
@@ -282,8 +262,8 @@ def run(a, argv) -> int:
                     if a.pipeline_model_parallel_size > 1:
                         rows += _pp_rows(a, cfg, link, res, cluster)
                     else:
-                        rows += _rows(cfg, link, res, _trace_totals(trace), methods,
-                                      _layer_prediction(a, cfg, cluster))
+                        rows += _rows(cfg, link, res, _trace_totals(trace_files(trace)[0]),
+                                      methods, _layer_prediction(a, cfg, cluster))
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2
@@ -295,8 +275,7 @@ def run(a, argv) -> int:
     with open(a.out + ".md", "w") as f:
         f.write(md + "\n")
     with open(a.out + ".json", "w") as f:
-        json.dump({"args": {k: v for k, v in vars(a).items() if k != "func"}, "rows": rows},
-                  f, indent=1)
+        json.dump({"args": asdict(a), "rows": rows}, f, indent=1)
     if a.pipeline_model_parallel_size > 1:
         plot(rows, a.out + ".png", PP_METHODS, "megatron 1F1B")
     else:
@@ -308,7 +287,7 @@ def run(a, argv) -> int:
 def _layer_costs(a, cfg, cost_source):
     """The bench's layer (LayerOps) and the costs its planned runs used: the profiled
     table, or the analytical model of this machine."""
-    from dhelix.planner.cli import layer_for_shape, load_costs
+    from dhelix.planner.problem import layer_for_shape, load_costs
     tp = a.tensor_model_parallel_size
     shape = {"config": cfg, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
              "mbs": a.micro_batch_size, "bf16": False, "lane": "intra",
@@ -379,7 +358,7 @@ def _pp_rows(a, cfg, link, res, cost_source) -> List[dict]:
 
 
 def _pp_simulate(a, cfg, link, cost_source) -> dict:
-    from dhelix.folding.simulate import LayerCosts, simulate_pipeline
+    from dhelix.planner.pipeline import LayerCosts, simulate_pipeline
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
     tp = a.tensor_model_parallel_size

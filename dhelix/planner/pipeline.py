@@ -7,8 +7,8 @@ step of the plan (a forward of one micro-batch beside a backward of another). A 
 layers costs n times those. Each schedule is an order of work items per stage (plain data,
 `FoldedOrder`); `play` times it: an item starts when its stage is free and its inputs
 have arrived (an input from another stage one P2P message later), a step's items end
-together. This is the executor's rule, so the fold's order (`order.folded_order`) and the
-real `FoldedSchedule` agree on what runs where.
+together. This is the executor's rule, so the fold's order (`pipeline_order.folded_order`) and the
+real `FoldedSchedule` (dhelix/folding/schedule.py) agree on what runs where.
 
 Memory per stage (activations only; parameters, grads and optimizer state are the same
 per stage for all three schedules, one copy of each): a forward item keeps its chunk's
@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
-from dhelix.folding.order import FoldedOrder, Item, Step, fold_deps, folded_order, play
+from dhelix.planner.pipeline_order import (FoldedOrder, Item, Step, fold_deps, folded_order,
+                                          play)
 
 Deps = Callable[[int, Item], List[Tuple[int, Item]]]
 
@@ -256,18 +257,17 @@ def draw_pipelines(results: Dict[str, PipelineResult], path: str, title: str = "
     plt.close(fig)
 
 
-if __name__ == "__main__":       # the README's picture: python -m dhelix.folding.simulate
-    import argparse
-    p = argparse.ArgumentParser(description="draw the fold beside megatron's 1F1B with unit "
-                                            "costs (a chunk forward 1, backward 2, a pair 3)")
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--png", default="docs/fold.png")
-    a = p.parse_args()
-    unit = LayerCosts(f=1.0, b=2.0, pair=3.0, saved=1.0, transient=0.0)
-    res = simulate_pipeline(unit, 2 * a.stages, a.stages, a.microbatches, 0.0)
-    draw_pipelines(res, a.png, f"{a.stages} stages, {a.microbatches} micro-batches, unit "
-                               f"costs (no gain from pairing counted)", unit_costs=True)
-    for name, r in res.items():
-        print(f"{name}: bubble {r.bubble * 100:.1f}%")
-    print(f"wrote {a.png}")
+def p2p_seconds(shape: dict, hidden_size: int, gbps: Optional[float] = None,
+                cluster: Optional[dict] = None, lane: str = "inter") -> Tuple[float, str]:
+    """One activation (or its grad) between stages, and how it was reckoned: at `gbps`
+    GB/s when given, else over a cluster file's link, else not modelled (0)."""
+    from dhelix.planner.problem import InputError, per_rank_shape
+    nbytes = activation_bytes(per_rank_shape(shape), hidden_size)
+    if gbps is not None:
+        if gbps <= 0:
+            raise InputError(f"--p2p-GBps {gbps}: give a positive bandwidth")
+        return nbytes / (gbps * 1e9), f"{nbytes / 2**20:.2f} MiB at {gbps} GB/s"
+    if cluster is None:
+        return 0.0, "not modelled: costs from a table; give --p2p-GBps"
+    return cluster_p2p_seconds(nbytes, cluster, lane), (
+        f"{nbytes / 2**20:.2f} MiB over the cluster's {lane}-node link")

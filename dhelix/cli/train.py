@@ -1,57 +1,29 @@
-"""`dhelix train` flags: Megatron's own names for what it shares with pretrain_gpt.py."""
+"""`dhelix train`: train a megatron-core GPT, megatron's schedule or DHelix's (--dhelix).
+
+Megatron's own flag names for what it shares with pretrain_gpt.py; the `--dhelix*` flags
+are Megatron-LM's (dhelix/megatron/args.py), the same in both.
+"""
 from __future__ import annotations
 
 import argparse
+import sys
 
+from dhelix.cli.common import add_launch_args, add_model_args, run_here, spawn
 from dhelix.train.config import TrainConfig
 
 # without --global-batch-size: enough micro-batches per step for F(k+1) ∥ B(k) to happen
 DEFAULT_MICROBATCHES = 4
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The layer shape and parallel sizes (shared by train, profile, validate-model)."""
-    g = p.add_argument_group("model and parallelism")
-    g.add_argument("--config", default="tiny",
-                   help="model config: a name under configs/models (tiny, small, tiny-llama, "
-                        "llama-8b, ...) or a YAML path")
-    g.add_argument("--seq-length", type=int, default=64, metavar="S",
-                   help="tokens per sequence (default: %(default)s)")
-    g.add_argument("--micro-batch-size", type=int, default=2, metavar="B",
-                   help="sequences per micro-batch (default: %(default)s)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
-                   help="TP size (default: %(default)s)")
-    g.add_argument("--context-parallel-size", type=int, default=1, metavar="C",
-                   help="context parallel: each sequence split over C ranks in megatron's "
-                        "load-balanced way, attention as a ring of K/V exchanges (default: "
-                        "%(default)s)")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron sequence parallelism (needs TP > 1)")
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters and math (default fp32)")
-    g.add_argument("--layer-spec", choices=["dhelix", "megatron-local"], default="dhelix",
-                   help="dhelix (default, every run: SDPA core attention, a one-node norm, "
-                        "megatron's linears) or megatron-local (megatron's unfused local "
-                        "layer, megatron's schedule only: a baseline to time against)")
-    g.add_argument("--seed", type=int, default=1234, help="random seed (default: %(default)s)")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1, metavar="P",
-                   help="MoE: experts split over P ranks of the data-parallel group, tokens "
-                        "exchanged by all-to-all (default: %(default)s)")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, metavar="T",
-                   help="MoE: TP inside each expert, 1 or the TP size (default: the TP size, "
-                        "as megatron; on CPU with TP > 1 give 1: gloo cannot all-gather the "
-                        "uneven token counts)")
-    g.add_argument("--num-experts", type=int, default=None, metavar="E",
-                   help="MoE: every layer's MLP becomes megatron's MoE block with E experts "
-                        "(default: the model config's; tiny-moe has 4)")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
-                   metavar="F", help="MoE: add megatron's shared experts, FFN size F "
-                                     "(default: the model config's, none)")
-    g.add_argument("--moe-router-topk", type=int, default=None, metavar="K",
-                   help="MoE: experts per token (default: the model config's, 2)")
+def add_parser(sub) -> None:
+    from dhelix.megatron.args import add_dhelix_args
+    t = sub.add_parser("train", help="train a megatron-core GPT (baseline or --dhelix)")
+    add_train_args(t)
+    add_dhelix_args(t)
+    t.set_defaults(func=run)
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    from dhelix.cli import add_launch_args
     add_model_args(p)
     add_launch_args(p)
     g = p.add_argument_group("data")
@@ -123,3 +95,26 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         data_path=a.data_path, overlap_grad_reduce=a.overlap_grad_reduce,
         eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json,
         checksums=a.checksums, dhelix=dh, default_microbatches=DEFAULT_MICROBATCHES)
+
+
+def run(a) -> int:
+    from dhelix.megatron.args import check_dhelix_args
+    from dhelix.train.config import preflight
+    from dhelix.train.trainer import train
+
+    cfg = train_config_from_args(a)
+    if a.nproc:
+        # Everything that can be checked is checked before any rank starts: one message.
+        try:
+            check_dhelix_args(a)
+            for w in preflight(cfg, a.nproc):
+                print(f"dhelix train: warning: {w}", file=sys.stderr)
+        except ValueError as e:
+            print(f"dhelix train: error: {e}", file=sys.stderr)
+            return 2
+        return spawn(a, a.argv)
+
+    def body():
+        check_dhelix_args(a)
+        train(cfg)
+    return run_here("train", body)

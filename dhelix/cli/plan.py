@@ -1,0 +1,60 @@
+"""`dhelix plan`: plan one layer shape with the DP planner and write the plan JSON.
+
+Reads the shape flags and a cost source (``--table`` or ``--cluster``), runs the planner
+(`dhelix.planner.problem.make_plan`), prints the plan table with its predicted and trivial
+step time and peak memory, and writes the plan file (with the layer, shape and cost source
+in its meta) for ``dhelix simulate`` and ``dhelix train --dhelix-plan``.
+"""
+from __future__ import annotations
+
+from dhelix.base.units import fmt_bytes, fmt_time, parse_bytes
+from dhelix.cli.common import fail
+from dhelix.cli.planner_args import (add_cost_args, add_planner_args, add_shape_args,
+                                     shape_from_args)
+from dhelix.planner.problem import (InputError, cost_str, expected_errors, make_plan,
+                                    node_size, readable_budget_error, shape_str)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="plan one layer shape (DP planner) and write the plan JSON",
+                       description="Find the fastest legal plan for one layer shape: a "
+                                   "dynamic program over where each strand's segments end "
+                                   "and which run together (README: Planner and "
+                                   "simulator); costs from a measured table or a cluster "
+                                   "file.")
+    add_shape_args(p, required=True)
+    add_cost_args(p, required=True)
+    add_planner_args(p)
+    p.add_argument("--out", default="plan.json", metavar="PLAN.json",
+                   help="where to write the plan (default plan.json)")
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    try:
+        shape = shape_from_args(a)
+        budget = None if a.memory_budget is None else parse_bytes(a.memory_budget, "--memory-budget")
+        p, layer = make_plan(shape, a.table, a.cluster, budget, a.backend, a.force)
+    except expected_errors() as e:
+        return fail("plan", readable_budget_error(e))
+    try:
+        p.save(a.out)
+    except OSError as e:
+        return fail("plan", InputError(f"--out {a.out}: cannot write the plan ({e.strerror})"))
+    m = p.meta
+    print(f"dhelix plan: {shape_str(shape, node_size(a.cluster))}")
+    print(f"layer: {len(layer.forward)} forward x {len(layer.backward)} backward ops, "
+          f"signature {layer.signature()}")
+    print(f"costs: {cost_str(m['cost_source'])}")
+    print()
+    print(p.table())
+    print()
+    t, triv = m["predicted_s"], m["trivial_predicted_s"]
+    print(f"steps:                {len(p.steps)} ({p.num_paired()} paired)")
+    print(f"predicted layer step: {fmt_time(t)}  (trivial plan {fmt_time(triv)}, "
+          f"speedup {triv / t if t > 0 else 1.0:.3f}x)")
+    budget_txt = "" if budget is None else f"  (budget {fmt_bytes(budget)})"
+    print(f"predicted peak mem:   {fmt_bytes(m.get('predicted_peak_bytes'))}{budget_txt}")
+    print(f"planning time:        {m['planning_time_s'] * 1e3:.1f} ms (backend {m['backend']})")
+    print(f"wrote {a.out}  (simulate it: dhelix simulate {a.out})")
+    return 0

@@ -1,0 +1,168 @@
+"""`dhelix simulate`: play a plan file on the event simulator (DESIGN §1.5).
+
+The layer and cost source come from the plan's meta (written by ``dhelix plan``) unless the
+shape flags or ``--table``/``--cluster`` are given. Prints makespan, peak memory and lane busy
+times against the trivial plan, and writes a timeline PNG and a Chrome trace; with
+``--pipeline-model-parallel-size`` also the whole pipeline step (dhelix/planner/pipeline.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from dhelix.base.units import fmt_bytes, fmt_time
+from dhelix.cli.common import fail
+from dhelix.cli.planner_args import add_cost_args, add_shape_args, shape_from_args, shape_given
+from dhelix.planner.problem import (InputError, cost_str, expected_errors, load_costs,
+                                    node_size, plan_cost_source, plan_layer, resolve_cluster,
+                                    shape_str)
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("simulate", help="play a plan on the event simulator: makespan, peak "
+                                        "memory, timeline PNG, Chrome trace",
+                       description="Simulate a plan file on the three-lane executor replay "
+                                   "(README: Planner and simulator). The layer and cost "
+                                   "source come from the plan's meta (written by `dhelix "
+                                   "plan`) unless given here.")
+    s.add_argument("plan", metavar="PLAN", help="plan JSON file")
+    add_shape_args(s, required=False)
+    add_cost_args(s, required=False)
+    s.add_argument("--png", default=None, metavar="PATH",
+                   help="timeline chart (default: PLAN with .png)")
+    s.add_argument("--trace", default=None, metavar="PATH",
+                   help="Chrome trace JSON (default: PLAN with .trace.json)")
+    g = s.add_argument_group("pipeline (the whole step: megatron 1F1B / interleaved vs the "
+                             "DHelix fold)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None, metavar="G",
+                   help="simulate a pipeline of G stages (G >= 2)")
+    g.add_argument("--num-microbatches", type=int, default=None, metavar="N",
+                   help="micro-batches per step (default 2G)")
+    g.add_argument("--num-layers", type=int, default=None, metavar="L",
+                   help="layers of the model (default: the config's)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   metavar="V", help="also megatron's interleaved schedule, V layers per chunk")
+    g.add_argument("--pipeline-lane", choices=("intra", "inter"), default="inter",
+                   help="where neighbouring stages are: other nodes (inter, default) or "
+                        "the same node")
+    g.add_argument("--p2p-GBps", dest="p2p_gbps", type=float, default=None, metavar="BW",
+                   help="P2P bandwidth in GB/s (default: the cluster file's lane)")
+    g.add_argument("--pipeline-png", default=None, metavar="PATH",
+                   help="stage × time chart (default: PLAN with .pipeline.png; a Chrome "
+                        "trace beside it)")
+    s.set_defaults(func=run)
+
+
+def _default_beside(plan_path: str, suffix: str) -> str:
+    root, ext = os.path.splitext(plan_path)
+    return (root if ext.lower() == ".json" else plan_path) + suffix
+
+
+def run(a) -> int:
+    from dhelix.planner.plan import Plan, trivial_plan, validate
+    from dhelix.planner.simulate import plot_timeline, simulate, to_chrome_trace
+    try:
+        plan = Plan.load(a.plan)
+        meta = plan.meta or {}
+        table, cluster, force = plan_cost_source(a.plan, meta, a.table, a.cluster,
+                                                  a.force)
+        gpn = node_size(cluster)       # which groups fit in a node: the CP and EP lanes
+        layer, shape, layer_from = plan_layer(a.plan, meta, shape_from_args(a)
+                                              if shape_given(a) else None, gpn)
+        validate(plan, layer, source=a.plan)
+        costs, src = load_costs(layer, shape, table, cluster, force)
+        res = simulate(layer, plan, costs, force=force)
+        triv = simulate(layer, trivial_plan(layer), costs, force=force)
+    except expected_errors() as e:
+        return fail("simulate", e)
+
+    print(f"dhelix simulate: {a.plan}  ({len(plan.steps)} steps, {plan.num_paired()} paired; "
+          f"layer from {layer_from})")
+    if shape:
+        print(f"shape: {shape_str(shape, gpn)}")
+    print(f"costs: {cost_str(src)}")
+    speed = triv.makespan / res.makespan if res.makespan > 0 else 1.0
+    print(f"makespan:      {fmt_time(res.makespan)}  (trivial plan {fmt_time(triv.makespan)}, "
+          f"speedup {speed:.3f}x)")
+    if isinstance(meta.get("predicted_s"), (int, float)):
+        print(f"planner said:  {fmt_time(meta['predicted_s'])}")
+    print(f"peak memory:   {fmt_bytes(res.peak_bytes)}  (trivial plan "
+          f"{fmt_bytes(triv.peak_bytes)})")
+    busy = res.lane_busy()
+    span = res.makespan if res.makespan > 0 else 1.0
+    print("lane busy:     " + ", ".join(f"{lane} {fmt_time(v)} ({v / span * 100:.0f}%)"
+                                        for lane, v in busy.items()))
+    png = a.png or _default_beside(a.plan, ".png")
+    trace = a.trace or _default_beside(a.plan, ".trace.json")
+    title = (f"{os.path.basename(a.plan)}: makespan {fmt_time(res.makespan)} (trivial "
+             f"{fmt_time(triv.makespan)}), peak {fmt_bytes(res.peak_bytes)}")
+    if not _write_pictures(lambda: plot_timeline(res, png, title=title), trace,
+                           lambda: to_chrome_trace(res)):
+        return 2
+    print(f"wrote {png} (timeline) and {trace} (Chrome trace: chrome://tracing or Perfetto)")
+    if a.pipeline_model_parallel_size and a.pipeline_model_parallel_size > 1:
+        return _simulate_pipeline(a, layer, plan, costs, shape, cluster, force)
+    return 0
+
+
+def _simulate_pipeline(a, layer, plan, costs, shape, cluster, force) -> int:
+    """The whole pipeline step: megatron 1F1B (and interleaved) vs the DHelix fold."""
+    from dhelix.planner.pipeline import (LayerCosts, PipelineError, draw_pipelines,
+                                         p2p_seconds, pipeline_trace, simulate_pipeline)
+    G = a.pipeline_model_parallel_size
+    N = a.num_microbatches or 2 * G
+    try:
+        if not shape:
+            raise InputError("--pipeline-model-parallel-size needs the model's layer count: "
+                           "give the shape flags (--config, ...)")
+        from dhelix.models.config import load_model_config
+        m = load_model_config(shape["config"])
+        L = a.num_layers or m.num_layers
+        p2p, p2p_from = p2p_seconds(shape, m.hidden_size, a.p2p_gbps,
+                                    _cluster_file(cluster), a.pipeline_lane)
+        lc = LayerCosts.from_plan(layer, plan, costs, force=force)
+        res = simulate_pipeline(lc, L, G, N, p2p, vpp_layers=a.num_layers_per_virtual_pipeline_stage)
+    except expected_errors() + (PipelineError,) as e:
+        return fail("simulate", e)
+    print()
+    print(f"pipeline: {L} layers on {G} stages, {N} micro-batches; P2P message "
+          f"{fmt_time(p2p)} ({p2p_from})")
+    print(f"per layer: forward {fmt_time(lc.f)}, backward {fmt_time(lc.b)}, plan step "
+          f"(forward beside backward) {fmt_time(lc.pair)} vs {fmt_time(lc.f + lc.b)} apart")
+    base = res["megatron-1f1b"]
+    print(f"{'schedule':22s} {'step':>11s} {'vs 1F1B':>8s} {'bubble':>7s}  peak activations "
+          f"per stage")
+    for name, r in res.items():
+        print(f"{name:22s} {fmt_time(r.makespan):>11s} {base.makespan / r.makespan:7.3f}x "
+              f"{r.bubble * 100:6.1f}%  " + ", ".join(fmt_bytes(b) for b in r.peak_bytes))
+    fold = res["dhelix-fold"]
+    print(f"fold peak / 1F1B peak (the most on any stage): "
+          f"{max(fold.peak_bytes) / max(base.peak_bytes):.2f}x")
+    png = a.pipeline_png or _default_beside(a.plan, ".pipeline.png")
+    trace = os.path.splitext(png)[0] + ".trace.json"
+    title = f"{os.path.basename(a.plan)}: {L} layers, PP={G}, {N} micro-batches"
+    if not _write_pictures(lambda: draw_pipelines(res, png, title=title), trace,
+                           lambda: pipeline_trace(res)):
+        return 2
+    print(f"wrote {png} (stage × time per schedule) and {trace} (Chrome trace)")
+    return 0
+
+
+def _cluster_file(cluster):
+    """The cluster file's contents, for the pipeline's P2P link; None without one."""
+    if not cluster:
+        return None
+    from dhelix.planner.costmodel import load_cluster
+    return load_cluster(resolve_cluster(cluster))
+
+
+def _write_pictures(draw, trace: str, trace_json) -> bool:
+    """The PNG and the Chrome trace; an unwritable path is one error line."""
+    try:
+        draw()
+        with open(trace, "w") as f:
+            json.dump(trace_json(), f)
+    except OSError as e:
+        fail("simulate", InputError(f"cannot write output: {e}"))
+        return False
+    return True

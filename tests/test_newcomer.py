@@ -1,0 +1,197 @@
+"""What a new user met (issue 24): the launcher names the first rank to fail, Ctrl-C is
+one line, step lines carry elapsed time and ETA, the trace picture is readable."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+TINY = ["--config", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+
+
+def dhelix(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dhelix.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 3-step run that saves a checkpoint: (its folder, the run's stdout)."""
+    ck = tmp_path_factory.mktemp("ck") / "ck"
+    r = dhelix("train", "--nproc", "2", *TINY, "--train-iters", "3", "--save", str(ck),
+               "--timeout", "200")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return ck, r.stdout
+
+
+# ---- the first rank to fail ------------------------------------------------------------
+
+def test_launcher_names_the_first_rank_to_fail(saved, tmp_path):
+    """Rank 1's checkpoint file truncated: rank 1 fails reading it, rank 0 then dies of
+    "connection closed by peer" in its first collective. The launcher names rank 1 with
+    its own error (the torch.load one) and leaves rank 0's lost connection out."""
+    import shutil
+    ck = tmp_path / "ck"
+    shutil.copytree(saved[0], ck)
+    with open(ck / "tp1-pp0.pt", "r+b") as f:          # TP rank 1 is rank 1
+        f.truncate(1000)
+    r = dhelix("train", "--nproc", "2", *TINY, "--train-iters", "2", "--load", str(ck),
+               "--timeout", "200")
+    err = r.stderr
+    assert r.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dhelix train: rank 1 exited with code 1 before its first "
+                           "iteration; stopped the other rank (rank 0)"), err[-3000:]
+    assert "[rank1]: RuntimeError: PytorchStreamReader failed" in err, err[-3000:]
+    assert "closed by peer" not in err.lower() and "reset by peer" not in err.lower(), \
+        err[-3000:]
+    assert "[rank0]" not in err, err[-3000:]
+
+
+def _status(folder, crashes):
+    """A status folder holding the crash records ranks leave: rank -> (time, error)."""
+    folder.mkdir()
+    for rank, (t, error) in crashes.items():
+        (folder / f"crash.rank{rank}").write_text(json.dumps({"time": t, "error": error}))
+    return str(folder)
+
+
+LOST = ("Traceback (most recent call last):\n  ...\nRuntimeError: [pair.cc:553] "
+        "Connection closed by peer [127.0.0.1]:6065.\n")
+OWN = "Traceback (most recent call last):\n  ...\nRuntimeError: bad file\n"
+
+
+def test_first_failure_by_time_and_cause(tmp_path):
+    """Which rank `spawn_local` names: the earliest recorded failure, not the lowest rank
+    seen in one poll; a rank that only lost its peer comes after one that failed of its
+    own (its record can be earlier: the failed rank tears down before its hook runs);
+    a rank that recorded its failure but was stopped while tearing down still counts."""
+    from dhelix.train.dist import _first_failure
+    # no records (killed ranks): the exit seen first
+    assert _first_failure(str(tmp_path), {0: (2.0, 1), 1: (1.0, -9)}, 2) == (1, -9)
+    # both seen in one poll: the recorded times decide
+    st = _status(tmp_path / "a", {0: (1.2, OWN), 1: (1.1, OWN)})
+    assert _first_failure(st, {0: (1.5, 1), 1: (1.5, 1)}, 2) == (1, 1)
+    # rank 0 lost its peer, even if it recorded that first
+    st = _status(tmp_path / "b", {0: (1.0, LOST), 1: (1.1, OWN)})
+    assert _first_failure(st, {0: (1.5, 1), 1: (1.5, 1)}, 2) == (1, 1)
+    # rank 1 recorded its exception, then was stopped before it exited
+    assert _first_failure(st, {0: (1.5, 1)}, 2) == (1, None)
+    # everyone lost a peer: the earliest of them
+    st = _status(tmp_path / "c", {0: (1.3, LOST), 1: (1.2, LOST)})
+    assert _first_failure(st, {0: (1.5, 1), 1: (1.5, 1)}, 2) == (1, 1)
+
+
+# ---- Ctrl-C ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("to", ["launcher", "process group"])
+def test_ctrl_c_is_one_line(tmp_path, to):
+    """SIGINT to the launcher (or, as a terminal's Ctrl-C does, to its whole process
+    group, ranks included) mid-training: the ranks are stopped, exit code 130, one line
+    on stderr, no traceback from the launcher or any rank."""
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err_f:
+        p = subprocess.Popen([sys.executable, "-m", "dhelix.cli", "train", "--nproc", "2",
+                              *TINY, "--train-iters", "100000", "--log-interval", "1"],
+                             stdout=out, stderr=err_f, stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while "iter    2/" not in out_path.read_text():
+            assert p.poll() is None, err_path.read_text()[-3000:]
+            assert time.time() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.2)
+        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True,
+                              text=True).stdout.split()
+        assert len(kids) == 2, kids
+        if to == "launcher":
+            os.kill(p.pid, signal.SIGINT)
+        else:
+            os.killpg(p.pid, signal.SIGINT)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    err = err_path.read_text()
+    assert p.returncode == 130, err[-3000:]
+    assert err.strip() == "dhelix train: interrupted; stopped 2 ranks", err[-3000:]
+    for k in kids:          # the ranks are gone (reaped by the launcher)
+        assert not os.path.exists(f"/proc/{k}") or \
+            open(f"/proc/{k}/stat").read().split()[2] == "Z", k
+
+
+# ---- step lines ------------------------------------------------------------------------
+
+def test_step_lines_carry_elapsed_and_eta(saved):
+    lines = [l for l in saved[1].splitlines() if l.startswith(" iter ")]
+    assert [l.split("|")[0] for l in lines] == [" iter    1/3 ", " iter    2/3 ",
+                                                " iter    3/3 "]
+    for l in lines:
+        fields = [f.strip() for f in l.split("|")]
+        assert len(fields) == 7, l
+        assert fields[1].startswith("loss ") and fields[2].endswith("tokens/s")
+        assert fields[3].endswith(" ms") and fields[4].startswith("peak act. ")
+        assert fields[5].startswith("elapsed ") and fields[6].startswith("ETA "), l
+    assert lines[-1].endswith("ETA 0:00:00")
+
+
+def test_progress_clock():
+    from dhelix.train.trainer import clock, progress_clock
+    assert clock(0) == "0:00:00" and clock(59.6) == "0:01:00"
+    assert clock(3 * 3600 + 25 * 60 + 7) == "3:25:07" and clock(30 * 3600) == "30:00:00"
+    # the first (warm-up) step is left out of the rate once there are others
+    assert progress_clock(12.0, [10.0, 1.0, 1.0], 1003) == "elapsed 0:00:12 | ETA 0:16:40"
+    assert progress_clock(2.0, [2.0], 4) == "elapsed 0:00:02 | ETA 0:00:06"
+    assert progress_clock(5.0, [2.0, 3.0], 2) == "elapsed 0:00:05 | ETA 0:00:00"
+
+
+# ---- the trace picture -----------------------------------------------------------------
+
+def _events():
+    """Two micro-batches: F1 alone, F2 ∥ B1, B2 alone (ms: 0-10, 10-30, 30-40)."""
+    from dhelix.strand.trace import TraceEvent as E
+    return [E("α", "ag_attn", "intra", 0.000, 0.008, 0, "F1"),
+            E("α", "qkv", "compute", 0.008, 0.0082, 1, "F1"),        # too narrow to name
+            E("α", "rs_attn", "intra", 0.010, 0.020, 2, "F2"),
+            E("β", "fc1_wgrad", "compute", 0.012, 0.028, 2, "B1"),
+            E("β", "ag_attn_w", "intra", 0.030, 0.040, 3, "B2")]
+
+
+def test_trace_picture_names_ops_marks_phases_has_legend():
+    import matplotlib.pyplot as plt
+    from dhelix.strand.trace import phases, timeline_figure
+    ev = _events()
+    assert [(k, l) for k, l, _, _ in phases(ev)] == [("F", "F(1)"), ("F∥B", "F(2) ∥ B(1)"),
+                                                     ("B", "B(2)")]
+    fig = timeline_figure(ev, "rank 0")
+    try:
+        ax = fig.axes[0]
+        texts = [t.get_text() for t in ax.texts]
+        for name in ("ag_attn", "rs_attn", "fc1_wgrad", "ag_attn_w"):   # wide enough
+            assert name in texts, texts
+        assert "qkv" not in texts                                        # does not fit
+        for mark in ("F(1)", "F(2) ∥ B(1)", "B(2)"):
+            assert mark in texts, texts
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert legend == ["α: forward ops", "β: backward ops", "F alone (first forward)",
+                          "F ∥ B (paired)", "B alone (last backward)"]
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["compute", "intra"]
+    finally:
+        plt.close(fig)
+
+
+def test_trace_files_carry_the_rank_on_rank_0_too(tmp_path):
+    from dhelix.strand.trace import trace_files, write_trace
+    path = str(tmp_path / "t" / "trace.json")
+    assert trace_files(path, 0) == (str(tmp_path / "t" / "trace.rank0.json"),
+                                    str(tmp_path / "t" / "trace.rank0.png"))
+    written = write_trace(_events(), path, 0)
+    assert written == list(trace_files(path, 0))
+    assert sorted(os.listdir(tmp_path / "t")) == ["trace.rank0.json", "trace.rank0.png"]
+    assert os.path.getsize(written[1]) > 1000
+    assert trace_files(str(tmp_path / "tr"), 3) == (str(tmp_path / "tr.rank3.json"),
+                                                     str(tmp_path / "tr.rank3.png"))
