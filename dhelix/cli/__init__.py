@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+
 def version() -> str:
     """The installed package's version, else the source tree's."""
     try:
