@@ -47,7 +47,9 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "back; forward and backward of different micro-batches co-execute "
                         "on every stage, every parameter stored once")
     g.add_argument("--dhelix-trace", default=None, metavar="PATH",
-                   help="write a Chrome-trace JSON of every op on its lane")
+                   help="write the last iteration's ops on their lanes, one Chrome-trace "
+                        "JSON and one PNG timeline per rank: PATH's stem + .rankN "
+                        "(trace.json -> trace.rank0.json, trace.rank0.png, ...)")
     g.add_argument("--dhelix-peer", choices=["intra-batch"], default=None,
                    help="instead of DHelix, the intra-batch overlap peer (for comparison): "
                         "each micro-batch split in two halves, interleaved round-robin")
