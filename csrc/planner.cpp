@@ -7,14 +7,14 @@
 // and the same plan.  Floating-point contraction (FMA) is switched off for that reason.
 //
 // Python API:
-//   Problem(f_lane, b_lane, f_group_bits, b_group_bits, f_T, b_T, f_saved, b_saved,
-//           f_temp, b_temp, stretch_flat[n*m], base_bytes)
+//   Problem(f_lane, b_lane, f_T, b_T, f_saved, b_saved, f_temp, b_temp,
+//           stretch_flat[n*m], base_bytes, f_reader, b_reader)
 //     .step(i1, i2, j1, j2)            -> (time, peak_bytes)      (memoized)
 //     .step_indices(fidx, bidx, mem0)  -> (time, peak_bytes, bytes_at_end)
 //     .level(i, j)                     -> bytes alive at state (i, j)
 //     .solve(budget=inf)               -> (total, [(i1, i2, j1, j2), ...])  ((inf, []) if none)
 //   solve_dense(n, m, costs_flat)      -> (total, steps); costs[((i1*(n+1)+i2)*(m+1)+j1)*(m+1)+j2],
-//                                          inf where the transition is illegal
+//                                          inf where the transition is forbidden
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
@@ -41,42 +41,11 @@ namespace {
 const double INF = std::numeric_limits<double>::infinity();
 using StepIdx = std::array<int, 4>;
 
+// The DP's state space: n forward ops, m backward ops. Every segment pair is a legal step
+// (a step may hold several comm ops of one group: the executor issues them in one
+// deterministic order on every rank).
 struct Legality {
   int n = 0, m = 0;
-  // mask[a*(len+1)+b]: OR of group bits of ops a..b-1, or -1 when a group repeats
-  std::vector<int64_t> f_mask, b_mask;
-  std::vector<int> f_lo, b_lo;
-
-  static void masks(const std::vector<int64_t>& bits, std::vector<int64_t>& mask,
-                    std::vector<int>& lo) {
-    const int n = static_cast<int>(bits.size());
-    mask.assign(static_cast<size_t>(n + 1) * (n + 1), 0);
-    for (int a = 0; a <= n; ++a) {
-      int64_t m = 0;
-      for (int b = a + 1; b <= n; ++b) {
-        if (m != -1) {
-          const int64_t g = bits[b - 1];
-          m = (m & g) ? -1 : (m | g);
-        }
-        mask[static_cast<size_t>(a) * (n + 1) + b] = m;
-      }
-    }
-    lo.assign(n + 1, 0);
-    for (int b = 0; b <= n; ++b) {
-      int a = b;
-      while (a > 0 && mask[static_cast<size_t>(a - 1) * (n + 1) + b] != -1) --a;
-      lo[b] = a;
-    }
-  }
-
-  Legality() = default;
-  Legality(const std::vector<int64_t>& fb, const std::vector<int64_t>& bb)
-      : n(static_cast<int>(fb.size())), m(static_cast<int>(bb.size())) {
-    masks(fb, f_mask, f_lo);
-    masks(bb, b_mask, b_lo);
-  }
-  int64_t fm(int a, int b) const { return f_mask[static_cast<size_t>(a) * (n + 1) + b]; }
-  int64_t bm(int a, int b) const { return b_mask[static_cast<size_t>(a) * (m + 1) + b]; }
 };
 
 // The DP of dp.py:_dp.  `cost(i1, i2, j1, j2)` returns inf for a forbidden transition.
@@ -92,11 +61,9 @@ std::pair<double, std::vector<StepIdx>> run_dp(const Legality& L, Cost&& cost) {
       if (i2 == 0 && j2 == 0) continue;
       double best = INF;
       int bi = -1, bj = -1;
-      for (int i1 = L.f_lo[i2]; i1 <= i2; ++i1) {
-        const int64_t fm = L.fm(i1, i2);
-        for (int j1 = L.b_lo[j2]; j1 <= j2; ++j1) {
+      for (int i1 = 0; i1 <= i2; ++i1) {
+        for (int j1 = 0; j1 <= j2; ++j1) {
           if (i1 == i2 && j1 == j2) continue;
-          if (fm & L.bm(j1, j2)) continue;
           const double prev = T[at(i1, j1)];
           if (prev == INF) continue;
           const double v = prev + cost(i1, i2, j1, j2);
@@ -132,8 +99,7 @@ py::tuple result(const std::pair<double, std::vector<StepIdx>>& r) {
 
 class Problem {
  public:
-  Problem(std::vector<int> f_lane, std::vector<int> b_lane, std::vector<int64_t> f_bits,
-          std::vector<int64_t> b_bits, std::vector<double> f_T, std::vector<double> b_T,
+  Problem(std::vector<int> f_lane, std::vector<int> b_lane, std::vector<double> f_T, std::vector<double> b_T,
           std::vector<double> f_saved, std::vector<double> b_saved, std::vector<double> f_temp,
           std::vector<double> b_temp, std::vector<double> S, double base,
           std::vector<int> f_reader, std::vector<int> b_reader)
@@ -147,8 +113,6 @@ class Problem {
       if (got != want)
         throw std::invalid_argument(std::string("Problem: ") + what + " has the wrong length");
     };
-    need(f_bits.size(), n_, "f_group_bits");
-    need(b_bits.size(), m_, "b_group_bits");
     need(f_T_.size(), n_, "f_T");
     need(b_T_.size(), m_, "b_T");
     need(f_saved_.size(), n_, "f_saved");
@@ -162,7 +126,7 @@ class Problem {
       if (v < 0 || v > 2) throw std::invalid_argument("Problem: f_lane must be 0, 1 or 2");
     for (int v : b_lane_)
       if (v < 0 || v > 2) throw std::invalid_argument("Problem: b_lane must be 0, 1 or 2");
-    L_ = Legality(f_bits, b_bits);
+    L_ = Legality{n_, m_};
     f_pre_.assign(n_ + 1, 0.0);
     for (int k = 0; k < n_; ++k) f_pre_[k + 1] = f_pre_[k] + f_saved_[k];
     b_pre_.assign(m_ + 1, 0.0);
@@ -331,8 +295,8 @@ py::tuple solve_dense(int n, int m, const std::vector<double>& costs) {
   const size_t sz = static_cast<size_t>(n + 1) * (n + 1) * (m + 1) * (m + 1);
   if (costs.size() != sz)
     throw std::invalid_argument("solve_dense: costs must have (n+1)^2 (m+1)^2 entries");
-  // Illegal transitions carry inf; with no group bits every segment passes the mask test.
-  Legality L(std::vector<int64_t>(n, 0), std::vector<int64_t>(m, 0));
+  // Forbidden transitions (over a memory budget) carry inf.
+  const Legality L{n, m};
   auto r = run_dp(L, [&](int i1, int i2, int j1, int j2) {
     return costs[((static_cast<size_t>(i1) * (n + 1) + i2) * (m + 1) + j1) * (m + 1) + j2];
   });
@@ -344,13 +308,11 @@ py::tuple solve_dense(int n, int m, const std::vector<double>& costs) {
 PYBIND11_MODULE(_planner_core, mod) {
   mod.doc() = "DHelix planner core: one-step lane simulation and the op-level DP (see dp.py)";
   py::class_<Problem>(mod, "Problem")
-      .def(py::init<std::vector<int>, std::vector<int>, std::vector<int64_t>,
-                    std::vector<int64_t>, std::vector<double>, std::vector<double>,
+      .def(py::init<std::vector<int>, std::vector<int>, std::vector<double>, std::vector<double>,
                     std::vector<double>, std::vector<double>, std::vector<double>,
                     std::vector<double>, std::vector<double>, double, std::vector<int>,
                     std::vector<int>>(),
-           py::arg("f_lane"), py::arg("b_lane"), py::arg("f_group_bits"),
-           py::arg("b_group_bits"), py::arg("f_T"), py::arg("b_T"), py::arg("f_saved"),
+           py::arg("f_lane"), py::arg("b_lane"), py::arg("f_T"), py::arg("b_T"), py::arg("f_saved"),
            py::arg("b_saved"), py::arg("f_temp"), py::arg("b_temp"), py::arg("stretch"),
            py::arg("base_bytes"), py::arg("f_reader"), py::arg("b_reader"))
       .def("step", &Problem::step, py::arg("i1"), py::arg("i2"), py::arg("j1"), py::arg("j2"))

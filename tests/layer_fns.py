@@ -133,7 +133,21 @@ def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5, 
                            f"({len(plan.steps)} steps): {e}") from None
         first = first or got
     return {"nplans": len(plans), "distinct": len({p.digest() for _, p in plans}),
-            "ngrads": len(r_grads), "num_ops": (len(ops.forward), len(ops.backward))}
+            "ngrads": len(r_grads), "num_ops": (len(ops.forward), len(ops.backward)),
+            "multi_comm": sum(multi_comm_steps(p, ops) > 0 for _, p in plans)}
+
+
+def multi_comm_steps(plan, ops) -> int:
+    """Steps of `plan` holding two or more comm ops of one process group."""
+    from collections import Counter
+    spec = {("f", o.name): o for o in ops.forward}
+    spec.update({("b", o.name): o for o in ops.backward})
+    n = 0
+    for s in plan.steps:
+        groups = Counter(spec[k].group for k in [("f", x) for x in s.fwd] +
+                         [("b", x) for x in s.bwd] if spec[k].kind == "comm")
+        n += any(c > 1 for c in groups.values())
+    return n
 
 
 def check_node_path(config="tiny", tp=2, sp=True, seq=16, mbs=2, seed=5, tiles=1, tol=0.0):

@@ -196,16 +196,22 @@ def test_memory_budget():
         dp.plan(layer, step_cost=lambda f, b: 1.0, memory_budget_bytes=1e9)
 
 
-def test_group_rule_respected_in_every_step():
+def test_planner_puts_several_comms_of_a_group_in_a_step_when_it_pays():
+    """No barrier between two comms of one group unless it helps: over random layers the
+    DP chooses such steps, every plan is legal, and C++ and Python agree on it."""
     rng = random.Random(18)
+    multi = 0
     for _ in range(50):
         layer = random_layer(rng, n_fwd=6, n_bwd=8)
         table = random_table(layer, rng)
-        p = dp.plan(layer, table, backend="auto")
+        p = dp.plan(layer, table, backend="python")
+        assert dp.plan(layer, table, backend="cpp").steps == p.steps
+        validate(p, layer)
         spec = {o.name: o for o in layer.forward + layer.backward}
         for s in p.steps:
             groups = [spec[n].group for n in s.fwd + s.bwd if spec[n].kind == COMM]
-            assert len(groups) == len(set(groups))
+            multi += len(groups) != len(set(groups))
+    assert multi > 0
 
 
 def test_bad_arguments():

@@ -8,7 +8,7 @@ equal bit for bit (`compare.same_runs` with tolerance 0: `==` on every loss and 
 a NaN fails).
 
 What runs against megatron's schedule, every comparison at tolerance 0:
-  - 20 steps, the built-in paired plan: tiny TP=2+SP on 2 ranks (1, 3, 4 micro-batches;
+  - 20 steps, the built-in paired plan: tiny TP=2+SP on 2 ranks (1, 3, 4, 8 micro-batches;
     also the eval loss after training, every rank); tiny TP=2+SP × DP=2 on 4 ranks (1
     micro-batch); tiny-llama TP=2 × DP=2 with overlapped grad reduce (3 micro-batches);
   - 20 steps, 5 random legal plans from files: tiny TP=2+SP × DP=2 (seeds 1, 2 at 3, 4
@@ -58,7 +58,7 @@ def _random_plan(tmp_path, config, seed, mbs):
     return plan
 
 
-@pytest.mark.parametrize("nmb", [1, 3, 4])
+@pytest.mark.parametrize("nmb", [1, 3, 4, 8])
 def test_tp2_sp_matches_baseline(nmb):
     """tiny, TP=2+SP, 2 ranks, the built-in paired plan, 20 steps: `same_runs` at
     tolerance 0. Then 2 eval steps after training, every rank's eval loss `==`: both
@@ -76,6 +76,28 @@ def test_tp2_sp_matches_baseline(nmb):
     assert same_runs(dh, base) == 0.0
     assert same_numbers([r["eval_loss"] for r in dh], [r["eval_loss"] for r in base],
                         0.0, "eval loss after training, by rank") == 0.0
+
+
+@pytest.mark.parametrize("nmb", [1, 3, 4])
+def test_halves_train_like_baseline(nmb):
+    """`--dhelix-halves` (F(1) and B(N) as two batch halves round-robin; F(N) and B(1)
+    op by op on both halves), tiny TP=2+SP, 10 steps, every rank, against megatron: at the
+    intra-batch peer's tolerances (losses ≤1e-5, gradient checksums ≤1e-4, final weights
+    ≤1e-3), not bit for bit — a weight's gradient adds the halves' parts, a different
+    rounding, which also shows that the halves ran (without them the runs are equal)."""
+    kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
+              train_iters=10, micro_batch_size=2, global_batch_size=2 * nmb)
+    base, dh = _runs(2, {"enabled": True, "halves": True}, **kw)
+    assert same_runs(dh, base, 1e-5, keys=("losses",)) <= 1e-5
+    assert 0.0 < same_runs(dh, base, 1e-4, keys=("grad_checksums",)) <= 1e-4
+    assert same_runs(dh, base, 1e-3, keys=("weight_checksums",)) <= 1e-3
+
+
+def test_halves_need_an_even_micro_batch():
+    from dhelix.testing import RankError
+    with pytest.raises(RankError, match="--dhelix-halves .* --micro-batch-size must be even"):
+        run_ranks(train_result, 2, timeout=200, config="tiny", tensor_model_parallel_size=2,
+                  train_iters=1, micro_batch_size=1, dhelix={"enabled": True, "halves": True})
 
 
 @pytest.mark.parametrize("nmb,plan_seed", [(1, None), (3, 1), (4, 2)])

@@ -50,6 +50,12 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write the last iteration's ops on their lanes, one Chrome-trace "
                         "JSON and one PNG timeline per rank: PATH's stem + .rankN "
                         "(trace.json -> trace.rank0.json, trace.rank0.png, ...)")
+    g.add_argument("--dhelix-halves", action="store_true",
+                   help="split the micro-batches of F(1) and B(N), the steps without a "
+                        "partner, in two batch halves run round-robin, so their comm hides "
+                        "behind the other half's compute (needs an even "
+                        "--micro-batch-size; not bit-identical to megatron: a weight's "
+                        "gradient adds the halves' parts)")
     g.add_argument("--dhelix-peer", choices=["intra-batch"], default=None,
                    help="instead of DHelix, the intra-batch overlap peer (for comparison): "
                         "each micro-batch split in two halves, interleaved round-robin")
@@ -73,7 +79,7 @@ def check_dhelix_args(args) -> None:
                              "give one of them")
     _check_transformer_impl(args)
     if not getattr(args, "dhelix", False):
-        for name in ("dhelix_plan", "dhelix_overlap_table", "dhelix_trace"):
+        for name in ("dhelix_plan", "dhelix_overlap_table", "dhelix_trace", "dhelix_halves"):
             if getattr(args, name, None):
                 raise DHelixArgError(f"--{name.replace('_', '-')} needs --dhelix")
         return
@@ -99,6 +105,9 @@ def check_dhelix_args(args) -> None:
     if fold and pp == 1:
         raise DHelixArgError("--dhelix-fold folds the layers over pipeline stages: give "
                              "--pipeline-model-parallel-size 2 or more")
+    if fold and getattr(args, "dhelix_halves", False):
+        raise DHelixArgError("--dhelix-halves with --dhelix-fold: the fold's steps without a "
+                             "partner are not split yet; drop one of them")
     if pp > 1 and not fold:
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
                              "U-folded pipeline: add --dhelix-fold")

@@ -3,9 +3,10 @@
 State (i, j): the first i forward ops and the first j backward ops (in ``layer.backward``
 order, each wgrad right after its dgrad) are done.  A transition is one step: the next
 forward segment F[i:i'] alone, the next backward segment B[j:j'] alone, or both together;
-it is legal when no process group has two comm ops in it (the rule of `plan.validate`)
-and, under a memory budget, when its simulated peak stays within the budget.  Because
-steps end at barriers, a plan's time is the sum of its steps' times, so
+any segments make a legal step (several comm ops of one group included: the lanes run
+them first-in first-out, in the executor's one order), and under a memory budget a step
+is allowed when its simulated peak stays within the budget.  Because steps end at
+barriers, and the planner chooses where they go (a longer step has fewer), a plan's time is the sum of its steps' times, so
 
     T(i', j') = min over legal (i, j) -> (i', j') of T(i, j) + cost(F[i:i'], B[j:j'])
 
@@ -24,10 +25,10 @@ Backends: ``"cpp"`` (dhelix._planner_core, built from csrc/planner.cpp), ``"pyth
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from dhelix.planner.costs import CostTable
-from dhelix.planner.opspec import COMM, LayerOps, OpSpec
+from dhelix.planner.opspec import LayerOps, OpSpec
 from dhelix.planner.plan import Plan, PlanError, Step, new_plan, trivial_plan, validate
 from dhelix.planner.simulate import LaneModel
 
@@ -43,56 +44,19 @@ def cpp_available() -> bool:
     return _core is not None
 
 
-# ---- legality --------------------------------------------------------------------------
-
-def _group_bits(ops: Sequence[OpSpec], index: Dict[str, int]) -> List[int]:
-    bits = []
-    for o in ops:
-        if o.kind == COMM and o.group is not None:
-            if o.group not in index:
-                index[o.group] = len(index)
-            bits.append(1 << index[o.group])
-        else:
-            bits.append(0)
-    return bits
-
-
-def _segment_masks(bits: List[int]):
-    """mask[a][b]: OR of the group bits of ops a..b-1, or -1 when a group appears twice;
-    lo[b]: the smallest a such that ops a..b-1 form a legal segment."""
-    n = len(bits)
-    mask = [[0] * (n + 1) for _ in range(n + 1)]
-    for a in range(n + 1):
-        m = 0
-        for b in range(a + 1, n + 1):
-            if m != -1:
-                g = bits[b - 1]
-                m = -1 if (m & g) else (m | g)
-            mask[a][b] = m
-    lo = [0] * (n + 1)
-    for b in range(n + 1):
-        a = b
-        while a > 0 and mask[a - 1][b] != -1:
-            a -= 1
-        lo[b] = a
-    return mask, lo
-
+# ---- the state space --------------------------------------------------------------------
 
 class _Legality:
+    """The DP's state space: n forward ops, m backward ops. Every pair of segments is a
+    legal step: a step may hold several comm ops of one process group, since the executor
+    issues them in one deterministic order on every rank (a memory budget still forbids
+    steps, through the cost)."""
+
     def __init__(self, layer: LayerOps):
-        index: Dict[str, int] = {}
-        self.f_bits = _group_bits(layer.forward, index)
-        self.b_bits = _group_bits(layer.backward, index)
-        if len(index) > 62:
-            raise PlanError(f"the planner handles at most 62 process groups, this layer has "
-                            f"{len(index)}")
-        self.f_mask, self.f_lo = _segment_masks(self.f_bits)
-        self.b_mask, self.b_lo = _segment_masks(self.b_bits)
-        self.n, self.m = len(self.f_bits), len(self.b_bits)
+        self.n, self.m = len(layer.forward), len(layer.backward)
 
     def legal(self, i1, i2, j1, j2) -> bool:
-        fm, bm = self.f_mask[i1][i2], self.b_mask[j1][j2]
-        return fm != -1 and bm != -1 and not (fm & bm)
+        return not (i1 == i2 and j1 == j2)
 
 
 # ---- the Python reference DP ---------------------------------------------------------------
@@ -137,7 +101,6 @@ def _dp(L: _Legality, cost: Callable[[int, int, int, int], float]):
     """The DP; returns (total, [(i, i', j, j'), ...]) or (inf, []) when (n, m) is out of
     reach.  `cost` returns inf for a transition that is not allowed."""
     n, m = L.n, L.m
-    f_mask, b_mask, f_lo, b_lo = L.f_mask, L.b_mask, L.f_lo, L.b_lo
     T = [[INF] * (m + 1) for _ in range(n + 1)]
     arg = [[(-1, -1)] * (m + 1) for _ in range(n + 1)]
     T[0][0] = 0.0
@@ -148,13 +111,10 @@ def _dp(L: _Legality, cost: Callable[[int, int, int, int], float]):
                 continue
             best = INF
             bi = bj = -1
-            for i1 in range(f_lo[i2], i2 + 1):
-                fm = f_mask[i1][i2]
+            for i1 in range(i2 + 1):
                 Ti1 = T[i1]
-                for j1 in range(b_lo[j2], j2 + 1):
+                for j1 in range(j2 + 1):
                     if i1 == i2 and j1 == j2:
-                        continue
-                    if fm & b_mask[j1][j2]:
                         continue
                     prev = Ti1[j1]
                     if prev == INF:
@@ -183,10 +143,9 @@ def _dense_costs(L: _Legality, cost: Callable[[int, int, int, int], float]) -> L
     out = [INF] * ((n + 1) * (n + 1) * (m + 1) * (m + 1))
     for i2 in range(n + 1):
         for j2 in range(m + 1):
-            for i1 in range(L.f_lo[i2], i2 + 1):
-                fm = L.f_mask[i1][i2]
-                for j1 in range(L.b_lo[j2], j2 + 1):
-                    if (i1 == i2 and j1 == j2) or (fm & L.b_mask[j1][j2]):
+            for i1 in range(i2 + 1):
+                for j1 in range(j2 + 1):
+                    if i1 == i2 and j1 == j2:
                         continue
                     out[((i1 * (n + 1) + i2) * (m + 1) + j1) * (m + 1) + j2] = \
                         float(cost(i1, i2, j1, j2))
@@ -195,8 +154,7 @@ def _dense_costs(L: _Legality, cost: Callable[[int, int, int, int], float]) -> L
 
 def _cpp_problem(model: LaneModel, L: _Legality):
     flat_S = [v for row in model.S for v in row]
-    return _core.Problem(model.f_lane, model.b_lane, L.f_bits, L.b_bits, model.f_T, model.b_T,
-                         model.f_saved, model.b_saved, model.f_temp, model.b_temp, flat_S,
+    return _core.Problem(model.f_lane, model.b_lane, model.f_T, model.b_T, model.f_saved, model.b_saved, model.f_temp, model.b_temp, flat_S,
                          model.base, model.f_reader, model.b_reader)
 
 
@@ -210,9 +168,9 @@ def _min_peak(L: _Legality, step) -> float:
             if i2 == 0 and j2 == 0:
                 continue
             best = INF
-            for i1 in range(L.f_lo[i2], i2 + 1):
-                for j1 in range(L.b_lo[j2], j2 + 1):
-                    if (i1 == i2 and j1 == j2) or not L.legal(i1, i2, j1, j2):
+            for i1 in range(i2 + 1):
+                for j1 in range(j2 + 1):
+                    if not L.legal(i1, i2, j1, j2):
                         continue
                     v = max(M[i1][j1], step(i1, i2, j1, j2)[1])
                     if v < best:

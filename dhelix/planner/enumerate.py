@@ -3,9 +3,9 @@ backward orders, and random legal plans (for equivalence tests and model validat
 from __future__ import annotations
 
 import random
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-from dhelix.planner.opspec import COMM, LayerOps, OpSpec
+from dhelix.planner.opspec import LayerOps, OpSpec
 from dhelix.planner.plan import Plan, PlanError, Step, new_plan, validate
 INF = float("inf")
 StepCost = Callable[[List[OpSpec], List[OpSpec]], float]
@@ -17,16 +17,6 @@ class BruteResult:
 
     def __iter__(self):               # best_cost, best_plan, count = brute_force(...)
         return iter((self.best_cost, self.best_plan, self.count))
-
-
-def _groups_ok(ops: Sequence[OpSpec]) -> bool:
-    seen = set()
-    for o in ops:
-        if o.kind == COMM and o.group is not None:
-            if o.group in seen:
-                return False
-            seen.add(o.group)
-    return True
 
 
 def backward_orders(layer: LayerOps) -> List[List[OpSpec]]:
@@ -75,13 +65,9 @@ def brute_force(layer: LayerOps, step_cost: StepCost, deferred_wgrad: bool = Fal
                                for (a, b, x, y) in path]
                 return
             for i2 in range(i, n + 1):
-                if not _groups_ok(F[i:i2]):
-                    break
                 for j2 in range(j, m + 1):
                     if i2 == i and j2 == j:
                         continue
-                    if not _groups_ok(F[i:i2] + B[j:j2]):
-                        break
                     path.append((i, i2, j, j2))
                     rec(i2, j2, acc + c(i, i2, j, j2), path)
                     path.pop()
@@ -143,21 +129,6 @@ def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
         B = _repair_order(B)
     n, m = len(F), len(B)
 
-    def seg_len(ops, start, taken):
-        groups = set(taken)
-        k = start
-        while k < len(ops):
-            o = ops[k]
-            if o.kind == COMM and o.group is not None:
-                if o.group in groups:
-                    break
-                groups.add(o.group)
-            k += 1
-        return k - start
-
-    def groups_of(ops):
-        return {o.group for o in ops if o.kind == COMM and o.group is not None}
-
     steps: List[Step] = []
     i = j = 0
     while i < n or j < m:
@@ -170,18 +141,11 @@ def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
         fseg: List[OpSpec] = []
         bseg: List[OpSpec] = []
         if action in ("f", "fb"):
-            k = r.randint(1, min(seg_len(F, i, ()), 1 + int(r.expovariate(0.4))))
+            k = r.randint(1, min(n - i, 1 + int(r.expovariate(0.3))))
             fseg = F[i:i + k]
         if action in ("b", "fb"):
-            room = seg_len(B, j, groups_of(fseg))
-            if room == 0:
-                if not fseg:
-                    room = 1          # cannot happen: one op alone is always legal
-                else:
-                    room = -1
-            if room > 0:
-                k = r.randint(1, min(room, 1 + int(r.expovariate(0.4))))
-                bseg = B[j:j + k]
+            k = r.randint(1, min(m - j, 1 + int(r.expovariate(0.3))))
+            bseg = B[j:j + k]
         steps.append(Step([o.name for o in fseg], [o.name for o in bseg]))
         i += len(fseg)
         j += len(bseg)

@@ -7,6 +7,10 @@ is megatron's own forward_step, each of its DHelix layers a node; β's backward 
 explicit walk over the nodes its forward recorded. Inside a co-executed step, α's layer i
 runs beside β's layer L−i+1 by the layer's plan. Every rank walks the same nodes in the
 same order, so collectives never interleave differently across ranks.
+
+F(1) and B(N) have no partner. With `--dhelix-halves` their micro-batches' layer nodes
+hold two batch halves, run round-robin (one half's comm beside the other's compute); in
+the co-executed steps F(N) and B(1) then run each op on both halves in turn.
 """
 from __future__ import annotations
 
@@ -16,9 +20,12 @@ from typing import Optional
 from dhelix.schedules.microbatch import (BackwardWalk, Microbatch, MicrobatchSteps,
                                          unwrap_and_evaluate)
 from dhelix.schedules.plans import PlanBook
-from dhelix.strand.executor import Tracer, run_layer_step
+from dhelix.strand.executor import Tracer, run_layer_step, run_tiles
 from dhelix.strand.lanes import Lanes, make_lanes
 from dhelix.strand.layer import DHelixLayer
+
+
+HALVES = 2          # --dhelix-halves: F(1) and B(N) as two batch halves
 
 
 class DHelixSchedule:
@@ -40,6 +47,10 @@ class DHelixSchedule:
 
     def check(self, chunks, seq_length, micro_batch_size):
         """Validate the plan against every DHelix layer now, before the first step."""
+        if self.options.get("halves") and micro_batch_size % HALVES:
+            raise ValueError(f"--dhelix-halves splits the micro-batches of F(1) and B(N) in "
+                             f"{HALVES}: --micro-batch-size must be even (got "
+                             f"{micro_batch_size})")
         chunks = chunks if isinstance(chunks, list) else [chunks]
         book = self.plan_book(seq_length, micro_batch_size)
         for c in chunks:
@@ -69,7 +80,8 @@ def co_step(plans: PlanBook, tracer: Optional[Tracer], forward=None,
             walk: Optional[BackwardWalk] = None) -> Optional[Microbatch]:
     """One co-executed step: a forward (`forward(execute)` runs α's micro-batch with the
     given layer executor and returns its record) beside a backward walk (β). Either may
-    be None. Returns α's recorded micro-batch."""
+    be None. Returns α's recorded micro-batch. A node without a partner whose micro-batch
+    is split in halves (`--dhelix-halves`) runs its halves round-robin (`run_tiles`)."""
     # 1. β's post-process node: its loss (or received grad) → its last layer's output grad.
     if walk is not None:
         walk.post()
@@ -78,8 +90,11 @@ def co_step(plans: PlanBook, tracer: Optional[Tracer], forward=None,
     #    backward, by the layer's plan.
     def execute(node):
         b = walk.next() if walk is not None and walk.remaining() else None
-        run_layer_step(plans.for_layer(node.layer), fwd=(node.program, node.states[0]),
-                       bwd=(b.program, b.states[0]) if b is not None else None, tracer=tracer)
+        if b is None and len(node.states) > 1:
+            run_tiles(node.program, node.states, "fwd", tracer)
+            return
+        run_layer_step(plans.for_layer(node.layer), fwd=(node.program, node.states),
+                       bwd=(b.program, b.states) if b is not None else None, tracer=tracer)
         if b is not None:
             walk.done(b)
     out = forward(execute) if forward is not None else None
@@ -87,7 +102,10 @@ def co_step(plans: PlanBook, tracer: Optional[Tracer], forward=None,
     # 3. β's layers that found no α partner (the last step, B(N), runs alone).
     while walk is not None and walk.remaining():
         b = walk.next()
-        run_layer_step(plans.for_layer(b.layer), bwd=(b.program, b.states[0]), tracer=tracer)
+        if len(b.states) > 1:
+            run_tiles(b.program, b.states, "bwd", tracer)
+        else:
+            run_layer_step(plans.for_layer(b.layer), bwd=(b.program, b.states), tracer=tracer)
         walk.done(b)
 
     # 4. β's pre-process node: the embedding's gradients (or the input's, to send back).
@@ -121,8 +139,13 @@ def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_micr
                             schedule.lanes, tracer, collect_non_loss_data, first_val_step)
     no_sync = get_model_config(model).no_sync_func or contextlib.nullcontext
     N = num_microbatches
+    halves = HALVES if schedule.options.get("halves") else 1
+
     def fwd(k):
-        return lambda execute: steps.forward(k, execute)
+        # F(1) runs alone, and B(N) will: with --dhelix-halves their micro-batches are
+        # split in two, so that one half's comm hides behind the other half's compute
+        tiles = halves if k in (0, N - 1) else 1
+        return lambda execute: steps.forward(k, execute, tiles=tiles)
     with no_sync():
         prev = co_step(plans, tracer, fwd(0))                               # F(1)
         for k in range(1, N):

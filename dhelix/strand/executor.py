@@ -3,13 +3,23 @@
 A step holds at most one segment of each strand. Both are issued, interleaved: a strand
 runs until it has launched a comm op (whose result its next op will wait for), then the
 other strand runs; when both are issued, the step's barrier waits for every comm in
-flight. The executor does not care which way a strand runs: α's forward with β's
-backward (`run_layer_step`), or the two batch halves of one node (`run_tiles`, the
-intra-batch peer).
+flight. A segment may hold several comm ops, of one group or several: they are issued in
+this one order on every rank, the lane runs them first-in first-out, and each result is
+waited for by the op that reads it.
+
+A strand is one state, or the batch tiles of one node (`LayerNode(tiles=2)`): each op
+then runs on every tile in turn. The executor does not care which way a strand runs:
+α's forward with β's backward (`run_layer_step`), or the two batch halves of one node
+round-robin (`run_tiles`, the intra-batch peer and DHelix's steps without a partner).
+
+A (plan, program) pair is bound once into per-step op lists (`_bound`): a step costs a
+few list operations beyond its ops, with no name lookups and no tracing branch per op
+unless a tracer is given.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import weakref
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -19,57 +29,117 @@ from dhelix.strand.program import LayerProgram, Op
 from dhelix.strand.state import StrandState
 from dhelix.strand.trace import TraceEvent, Tracer  # noqa: F401  (imported from here)
 
+States = Union[StrandState, Sequence[StrandState]]
+Segment = Tuple[States, Sequence[Op]]          # a strand's state(s) and its ops in a step
+Item = Tuple[StrandState, Op]
 
-Segment = Tuple[StrandState, Sequence[Op]]
+
+def _items(seg: Optional[Segment]) -> List[Item]:
+    """A segment in issue order: op by op, each on every tile of the strand."""
+    if seg is None or not seg[1]:
+        return []
+    states, ops = seg
+    if isinstance(states, StrandState):
+        return [(states, op) for op in ops]
+    return [(S, op) for op in ops for S in states]
+
+
+def _first_comm(items: List[Item]) -> int:
+    for i, (_, op) in enumerate(items):
+        if op.spec.kind == COMM:
+            return i
+    return len(items)
 
 
 def execute_step(a: Optional[Segment], b: Optional[Segment],
                  tracer: Optional[Tracer] = None) -> None:
     """Issue two segments interleaved, then wait for all their comms (the barrier)."""
-    queues = [(seg[0], list(seg[1])) for seg in (a, b) if seg is not None and seg[1]]
-    # start with the strand whose first comm comes earliest, to launch comm early
-    queues.sort(key=lambda q: next((i for i, o in enumerate(q[1]) if o.spec.kind == COMM),
-                                   len(q[1])))
-    pos = [0] * len(queues)
-    cur = 0
-    issued_comm = []
-    with torch.no_grad():
-        while any(pos[i] < len(q[1]) for i, q in enumerate(queues)):
-            if pos[cur] >= len(queues[cur][1]):
-                cur = 1 - cur
-                continue
-            S, ops = queues[cur]
-            op = ops[pos[cur]]
-            pos[cur] += 1
-            mark = tracer.begin(S) if tracer is not None else None
-            op.run(S)
-            if op.spec.kind == COMM:
-                issued_comm.append((S, op, mark, S.pending[-1] if S.pending else None))
-                if len(queues) == 2:
-                    cur = 1 - cur
-            elif tracer is not None:     # timed from when the comm results it read arrived
-                tracer.compute(S, op, mark)
-        # barrier
-        for S, op, mark, p in issued_comm:
-            if p is not None:
-                S.lanes.resolve(p)
-            if tracer is not None:
-                tracer.comm(S, op, mark, p)
-        for S, _ in queues:
-            S.barrier()
+    qa, qb = _items(a), _items(b)
+    if not qb:
+        _run_alone(qa, tracer)
+    elif not qa:
+        _run_alone(qb, tracer)
+    else:
+        # start with the strand whose first comm comes earliest, to launch comm early
+        qs = [qb, qa] if _first_comm(qb) < _first_comm(qa) else [qa, qb]
+        _run_two(qs, tracer)
     if tracer is not None:
         tracer.step += 1
 
 
+def _run_alone(q: List[Item], tracer: Optional[Tracer]) -> None:
+    issued = []
+    with torch.no_grad():
+        for S, op in q:
+            mark = tracer.begin(S) if tracer is not None else None
+            op.run(S)
+            if op.spec.kind == COMM:
+                issued.append((S, op, mark, S.pending[-1] if S.pending else None))
+            elif tracer is not None:
+                tracer.compute(S, op, mark)
+        _barrier(issued, {id(S): S for S, _ in q}.values(), tracer)
+
+
+def _run_two(qs: List[List[Item]], tracer: Optional[Tracer]) -> None:
+    pos = [0, 0]
+    ends = [len(qs[0]), len(qs[1])]
+    cur = 0
+    issued = []
+    with torch.no_grad():
+        while pos[0] < ends[0] or pos[1] < ends[1]:
+            if pos[cur] >= ends[cur]:
+                cur = 1 - cur
+                continue
+            S, op = qs[cur][pos[cur]]
+            pos[cur] += 1
+            mark = tracer.begin(S) if tracer is not None else None
+            op.run(S)
+            if op.spec.kind == COMM:
+                issued.append((S, op, mark, S.pending[-1] if S.pending else None))
+                cur = 1 - cur
+            elif tracer is not None:     # timed from when the comm results it read arrived
+                tracer.compute(S, op, mark)
+        _barrier(issued, {id(S): S for q in qs for S, _ in q}.values(), tracer)
+
+
+def _barrier(issued, states, tracer: Optional[Tracer]) -> None:
+    for S, op, mark, p in issued:
+        if p is not None:
+            S.lanes.resolve(p)
+        if tracer is not None:
+            tracer.comm(S, op, mark, p)
+    for S in states:
+        S.barrier()
+
+
+# program -> {id(plan): (plan, [forward ops per step], [backward ops per step])}
+_BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _bound(plan: Plan, program: LayerProgram):
+    """The plan's steps as op lists of `program`, made once per (plan, program)."""
+    per = _BOUND.get(program)
+    if per is None:
+        per = _BOUND[program] = {}
+    got = per.get(id(plan))
+    if got is None or got[0] is not plan:      # the plan is held: its id stays its own
+        got = per[id(plan)] = (plan, [[program.fwd[n] for n in s.fwd] for s in plan.steps],
+                               [[program.bwd[n] for n in s.bwd] for s in plan.steps])
+    return got[1], got[2]
+
+
 def run_layer_step(plan: Plan,
-                   fwd: Optional[Tuple[LayerProgram, StrandState]] = None,
-                   bwd: Optional[Tuple[LayerProgram, StrandState]] = None,
+                   fwd: Optional[Tuple[LayerProgram, States]] = None,
+                   bwd: Optional[Tuple[LayerProgram, States]] = None,
                    tracer: Optional[Tracer] = None) -> None:
     """One layer step: α's forward ops of one layer and β's backward ops of one layer
-    (the same layer or another of the same shape), in the order the plan gives."""
-    for step in plan.steps:
-        a = (fwd[1], [fwd[0].fwd[n] for n in step.fwd]) if fwd and step.fwd else None
-        b = (bwd[1], [bwd[0].bwd[n] for n in step.bwd]) if bwd and step.bwd else None
+    (the same layer or another of the same shape), in the order the plan gives. Each
+    strand is one state or its node's tiles."""
+    f_ops = _bound(plan, fwd[0])[0] if fwd is not None else None
+    b_ops = _bound(plan, bwd[0])[1] if bwd is not None else None
+    for k in range(len(plan.steps)):
+        a = (fwd[1], f_ops[k]) if f_ops is not None and f_ops[k] else None
+        b = (bwd[1], b_ops[k]) if b_ops is not None and b_ops[k] else None
         if a or b:
             execute_step(a, b, tracer)
 

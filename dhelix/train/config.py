@@ -105,6 +105,14 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
                           "time against) runs megatron's schedule only, without sequence "
                           "parallel, context parallel or experts; DHelix runs its own spec")
     fold_layers = bool(cfg.dhelix.get("fold"))
+    if cfg.dhelix.get("halves"):
+        bad = [what for what, yes in (("--dhelix-fold", fold_layers), ("a MoE model",
+               bool(m.num_experts or cfg.num_experts)), (f"--context-parallel-size {cp}",
+               cp > 1), ("--dhelix-peer", bool(cfg.dhelix.get("peer")))) if yes]
+        if not cfg.dhelix.get("enabled") or bad:
+            raise ConfigError(f"--dhelix-halves splits the dense layers of DHelix's F(1) "
+                              f"and B(N) (with --dhelix, TP/SP/DP); not built with "
+                              f"{', '.join(bad) or 'megatron (add --dhelix)'}")
     vpp = 1
     if fold_layers:
         from dhelix.folding.placement import fold
