@@ -63,6 +63,11 @@ def test_trace_is_chrome_json_with_every_op(tmp_path):
 def test_link_rates_and_table():
     assert _split_links("none,paced:2gbit,20us,paced:1gbit,2gbit") == \
         ["none", "paced:2gbit,20us", "paced:1gbit", "2gbit"]
+    # the paced link's contention option stays with its link, after a latency or not
+    assert _split_links("paced:1gbit,paced:2gbit,paced:1gbit,20us,slow=0.15") == \
+        ["paced:1gbit", "paced:2gbit", "paced:1gbit,20us,slow=0.15"]
+    assert _split_links("paced:1gbit,slow=0.1,none,2gbit") == \
+        ["paced:1gbit,slow=0.1", "none", "2gbit"]
     row = {"config": "small", "link": "2gbit", "method": "dhelix-plan", "tokens_per_s": 10,
            "speedup": 1.5, "step_s": 0.1, "lower_bound_s": 0.05, "layer_compute_s": 0.04,
            "layer_comm_s": 0.05, "hidden_share": 0.8, "memory_vs_baseline": 1.02}

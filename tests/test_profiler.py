@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from dhelix.planner.costs import CostTable
+from dhelix.planner.costs import CostTable, StepExtras
 from dhelix.planner.shapes import layer_ops_for_shape
 from dhelix.models.config import load_model_config
 
@@ -38,6 +38,10 @@ def test_profile_writes_table_with_provenance(tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "table.csv")))
     measured = [r for r in rows if r["P_s"]]      # unmeasured pairs are blank cells
     assert len(measured) == len(t.pair) and all(r["OEF"] for r in measured)
+    # the rest of a training step, on the whole tiny model (2 layers) at TP 2
+    x = t.step_extras
+    assert x is not None and x.num_layers == 2 and x.data_parallel_size == 1
+    assert all(getattr(x, k) > 0 for k in StepExtras.SECONDS) and x.zero_grad_s >= 0
 
 
 def test_validate_model_reports_rank_correlation(tmp_path):

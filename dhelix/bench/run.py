@@ -11,7 +11,10 @@ model size, the same GPT is trained for the same steps by
      over an analytical model of this machine: GEMM rate measured here, the link's rate),
 and the table reports tokens/s, speedup over baseline, peak activation memory, the
 per-step lower bound max(compute, comm) + the rest, measured from the trivial run's
-trace, and the share of the baseline's exposed communication each method hid.
+trace, and the share of the baseline's exposed communication each method hid; for
+megatron and the two DHelix rows also the whole step the simulator predicts from the same
+profiled table (`planner.whole_step`: the layers, and the embedding, loss, optimizer and
+finalize `dhelix profile` measured) and its error against the measured step.
 
 With --pipeline-model-parallel-size G > 1 the methods are the pipeline schedules:
 megatron's 1F1B, megatron's interleaved (two chunks per stage, like the fold) and the
@@ -100,14 +103,29 @@ comm_compute_slowdown: 0.1
 
 
 def _split_links(text: str) -> List[str]:
-    """'none,paced:2gbit,20us,1gbit' -> ['none', 'paced:2gbit,20us', '1gbit']: a latency
-    after a paced rate belongs to it."""
+    """Split the --links list at its commas, keeping a paced link's options with it: a
+    paced link is paced:RATE[,LATENCY][,slow=X] (X: the contention option, how much the
+    link's transfers slow the compute beside them), so a latency right after a paced rate
+    and a name=value option after a paced link belong to that link:
+
+        'none,paced:2gbit,20us,1gbit'  -> ['none', 'paced:2gbit,20us', '1gbit']
+        'paced:1gbit,paced:2gbit,paced:1gbit,20us,slow=0.15'
+            -> ['paced:1gbit', 'paced:2gbit', 'paced:1gbit,20us,slow=0.15']
+
+    (Whether the options are valid is `parse_link`'s to say.)"""
     out: List[str] = []
     for part in (p.strip() for p in text.split(",") if p.strip()):
-        if out and out[-1].startswith("paced:") and "," not in out[-1] and \
-                part[:1].isdigit() and part.rstrip("0123456789.").endswith(("us", "ms", "s")) \
-                and not part.endswith(("bit", "bps")):
+        last = out[-1] if out else ""
+        opts = last.split(",")[1:] if last.startswith("paced:") else None
+        is_latency = part[:1].isdigit() and \
+            part.rstrip("0123456789.").endswith(("us", "ms", "s")) and \
+            not part.endswith(("bit", "bps"))
+        is_option = "=" in part and part.split("=", 1)[0].isidentifier()
+        if opts is not None and is_latency and not opts:         # RATE,LATENCY
             out[-1] += "," + part
+        elif opts is not None and is_option and \
+                part.split("=", 1)[0] not in {o.split("=", 1)[0] for o in opts}:
+            out[-1] += "," + part                                # RATE[,LATENCY],name=X
         else:
             out.append(part)
     return out
@@ -263,7 +281,8 @@ def run_bench(a: BenchOptions) -> int:
                         rows += _pp_rows(a, cfg, link, res, cluster)
                     else:
                         rows += _rows(cfg, link, res, _trace_totals(trace_files(trace)[0]),
-                                      methods, _layer_prediction(a, cfg, cluster))
+                                      methods, _layer_prediction(a, cfg, cluster),
+                                      _step_predictions(a, cfg, cluster))
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2
@@ -307,7 +326,29 @@ def _layer_prediction(a, cfg, cost_source) -> float:
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
-def _rows(cfg, link, res, tr, methods=METHODS, sim_layer=None) -> List[dict]:
+def _step_predictions(a, cfg, cost_source) -> Dict[str, object]:
+    """method -> the whole step the simulator predicts for it (`planner.whole_step`), from
+    the profiled table the planned run used: its layer costs and its step extras
+    (embedding, loss, optimizer, finalize, measured with it). Empty for the analytical
+    model or a table without extras."""
+    if not cost_source.endswith(".json"):
+        return {}
+    from dhelix.models.config import load_model_config
+    from dhelix.planner import dp
+    from dhelix.planner.plan import trivial_plan
+    from dhelix.planner.whole_step import simulate_megatron_step, simulate_step
+    layer, costs = _layer_costs(a, cfg, cost_source)
+    ex = costs.step_extras
+    if ex is None:
+        return {}
+    L, N = load_model_config(cfg).num_layers, a.num_microbatches
+    return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
+            "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
+            "dhelix-plan": simulate_step(layer, dp.plan(layer, costs), costs, L, N, ex)}
+
+
+def _rows(cfg, link, res, tr, methods=METHODS, sim_layer=None,
+          predicted=None) -> List[dict]:
     base = step_time(res["megatron"])
     triv = step_time(res["dhelix-trivial"])
     comp, comm = tr["layer_compute_s"], tr["layer_comm_s"]
@@ -315,8 +356,10 @@ def _rows(cfg, link, res, tr, methods=METHODS, sim_layer=None) -> List[dict]:
     lower = rest + max(comp, comm)
     exposed = max(base - (rest + comp), 1e-9)   # the baseline's time beyond compute
     out = []
+    predicted = predicted or {}
     for m in methods:
         t = step_time(res[m])
+        w = predicted.get(m)
         out.append({
             "config": cfg, "link": link, "method": m, "step_s": t,
             "tokens_per_s": res[m]["tokens_per_s"],
@@ -328,6 +371,10 @@ def _rows(cfg, link, res, tr, methods=METHODS, sim_layer=None) -> List[dict]:
             "hidden_share": (base - t) / exposed if m != "megatron" else 0.0,
             "final_loss": res[m]["losses"][-1],
             "sim_layer_speedup": sim_layer if m == "dhelix-plan" else None,
+            # the whole step the simulator predicts from the same table, and its error
+            "predicted_step_s": w.total_s if w else None,
+            "prediction_error": (w.total_s - t) / t if w else None,
+            "predicted_breakdown": w.to_json() if w else None,
         })
     return out
 
@@ -393,19 +440,25 @@ def pp_markdown(rows) -> str:
 
 
 def markdown(rows) -> str:
-    lines = ["| model | link | method | tokens/s | speedup | step ms | lower bound ms | "
-             "compute / comm ms (comm/compute) | exposed comm hidden | peak act. vs base | "
-             "sim. layer |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | link | method | tokens/s | speedup | step ms | predicted ms (error) | "
+             "lower bound ms | compute / comm ms (comm/compute) | exposed comm hidden | "
+             "peak act. vs base | sim. layer |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["layer_comm_s"] / max(r["layer_compute_s"], 1e-12)
         lines.append(
             f"| {r['config']} | {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | "
-            f"{r['speedup']:.2f}x | {r['step_s'] * 1e3:.0f} | {r['lower_bound_s'] * 1e3:.0f} | "
+            f"{r['speedup']:.2f}x | {r['step_s'] * 1e3:.0f} | {_predicted(r)} | "
+            f"{r['lower_bound_s'] * 1e3:.0f} | "
             f"{r['layer_compute_s'] * 1e3:.0f} / {r['layer_comm_s'] * 1e3:.0f} ({ratio:.2f}) | "
             f"{r['hidden_share'] * 100:.0f}% | {r['memory_vs_baseline']:.2f}x | "
             f"{_x(r.get('sim_layer_speedup'))} |")
     return "\n".join(lines)
+
+
+def _predicted(r) -> str:
+    p, e = r.get("predicted_step_s"), r.get("prediction_error")
+    return "-" if p is None else f"{p * 1e3:.0f} ({e * 100:+.0f}%)"
 
 
 def _x(v) -> str:

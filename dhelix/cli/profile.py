@@ -25,6 +25,12 @@ def add_parser(sub) -> None:
     p.add_argument("--pairs", choices=["concurrent", "all"], default="concurrent",
                    help="measure only pairs on different lanes (what the simulator reads) "
                         "or every forward × backward pair")
+    p.add_argument("--no-step-extras", dest="step_extras", action="store_false",
+                   help="measure the layer only, not the rest of a training step (the "
+                        "embedding and loss forward/backward, the optimizer step and the "
+                        "grad finalize, on the whole model `dhelix train` builds), which "
+                        "`dhelix simulate --num-microbatches` and `dhelix bench` need for "
+                        "the whole-step prediction")
 
 
 def run(a) -> int:

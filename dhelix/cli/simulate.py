@@ -3,7 +3,10 @@
 The layer and cost source come from the plan's meta (written by ``dhelix plan``) unless the
 shape flags or ``--table``/``--cluster`` are given. Prints makespan, peak memory and lane busy
 times against the trivial plan, and writes a timeline PNG and a Chrome trace; with
-``--pipeline-model-parallel-size`` also the whole pipeline step (dhelix/planner/pipeline.py).
+``--pipeline-model-parallel-size`` also the whole pipeline step (dhelix/planner/pipeline.py);
+with ``--num-microbatches`` alone (PP = 1) the whole training step, DHelix's schedule and
+megatron's order, from a table that `dhelix profile` wrote with its step extras
+(dhelix/planner/whole_step.py).
 """
 from __future__ import annotations
 
@@ -32,14 +35,19 @@ def add_parser(sub) -> None:
                    help="timeline chart (default: PLAN with .png)")
     s.add_argument("--trace", default=None, metavar="PATH",
                    help="Chrome trace JSON (default: PLAN with .trace.json)")
-    g = s.add_argument_group("pipeline (the whole step: megatron 1F1B / interleaved vs the "
-                             "DHelix fold)")
+    g = s.add_argument_group("the whole step (PP = 1: DHelix's F(1); F(k+1) ∥ B(k); B(N) vs "
+                             "megatron's order, with --num-microbatches; pipeline: megatron "
+                             "1F1B / interleaved vs the DHelix fold)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None, metavar="G",
                    help="simulate a pipeline of G stages (G >= 2)")
     g.add_argument("--num-microbatches", type=int, default=None, metavar="N",
-                   help="micro-batches per step (default 2G)")
+                   help="micro-batches per step (pipeline: default 2G); without a pipeline: "
+                        "predict the whole training step with N micro-batches (needs a "
+                        "table `dhelix profile` wrote, with the embedding, loss, optimizer "
+                        "and finalize times)")
     g.add_argument("--num-layers", type=int, default=None, metavar="L",
-                   help="layers of the model (default: the config's)")
+                   help="layers of the model (default: the config's; without a pipeline: "
+                        "the number the table's step extras were measured with)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    metavar="V", help="also megatron's interleaved schedule, V layers per chunk")
     g.add_argument("--pipeline-lane", choices=("intra", "inter"), default="inter",
@@ -71,6 +79,9 @@ def run(a) -> int:
                                               if shape_given(a) else None, gpn)
         validate(plan, layer, source=a.plan)
         costs, src = load_costs(layer, shape, table, cluster, force)
+        pp = a.pipeline_model_parallel_size or 1
+        if pp <= 1 and a.num_microbatches is not None:
+            whole = _whole_step(a, layer, plan, costs, src, force)   # errors before output
         res = simulate(layer, plan, costs, force=force)
         triv = simulate(layer, trivial_plan(layer), costs, force=force)
     except expected_errors() as e:
@@ -100,9 +111,52 @@ def run(a) -> int:
                            lambda: to_chrome_trace(res)):
         return 2
     print(f"wrote {png} (timeline) and {trace} (Chrome trace: chrome://tracing or Perfetto)")
-    if a.pipeline_model_parallel_size and a.pipeline_model_parallel_size > 1:
+    if pp > 1:
         return _simulate_pipeline(a, layer, plan, costs, shape, cluster, force)
+    if a.num_microbatches is not None:
+        _print_whole_step(*whole, src, costs.step_extras)
     return 0
+
+
+def _whole_step(a, layer, plan, costs, src, force):
+    """(DHelix's step, megatron's step): the layers by the simulator, the rest from the
+    table's step extras; a table without them (or the analytical model) is an error that
+    names the fix."""
+    from dhelix.planner.costs import TableError
+    from dhelix.planner.whole_step import predict
+    if src.get("kind") != "table":
+        raise TableError(f"--num-microbatches without a pipeline predicts the whole training "
+                         f"step, which needs the embedding, loss, optimizer and finalize "
+                         f"times of a measured table; the analytical model (cluster "
+                         f"{src.get('name')}) has none: give --table with a table from "
+                         f"`dhelix profile`")
+    if a.num_microbatches < 1:
+        raise InputError(f"--num-microbatches {a.num_microbatches}: give at least 1")
+    if a.num_layers is not None and a.num_layers < 1:
+        raise InputError(f"--num-layers {a.num_layers}: give at least 1")
+    return predict(layer, plan, costs, a.num_microbatches, a.num_layers,
+                   source=src.get("path", "<table>"), force=force)
+
+
+def _print_whole_step(dh, mg, src, extras) -> None:
+    print()
+    print(f"whole step: {dh.num_layers} layers, {dh.num_microbatches} micro-batches, PP=1 "
+          f"(embedding, loss, optimizer, finalize measured in {src.get('path')})")
+    print(f"per layer: forward alone {fmt_time(dh.layer_forward_s)}, backward alone "
+          f"{fmt_time(dh.layer_backward_s)} (the plan's steps); co-executed pair "
+          f"{fmt_time(dh.layer_pair_s)}; megatron's order: forward "
+          f"{fmt_time(mg.layer_forward_s)}, backward {fmt_time(mg.layer_backward_s)}")
+    for title, w in (("DHelix (this plan)", dh), ("megatron's order", mg)):
+        print(f"  {title}")
+        for label, v in w.phases():
+            print(f"    {label:58s} {fmt_time(v):>11s}")
+        print(f"    {'total':58s} {fmt_time(w.total_s):>11s}")
+    speed = mg.total_s / dh.total_s if dh.total_s > 0 else 1.0
+    print(f"predicted step: DHelix {fmt_time(dh.total_s)}, megatron {fmt_time(mg.total_s)}, "
+          f"speedup {speed:.3f}x")
+    if extras.num_layers != dh.num_layers:
+        print(f"note: the optimizer and finalize were timed on a model of "
+              f"{extras.num_layers} layers, not {dh.num_layers}")
 
 
 def _simulate_pipeline(a, layer, plan, costs, shape, cluster, force) -> int:

@@ -12,7 +12,10 @@ A `CostTable` is plain data.  For one layer (identified by `LayerOps.signature()
   the alone times stay the basis of the pairs' overlap factors,
 
 plus a free-form ``provenance`` dict that records what it was measured on (model shape,
-dtype, parallel sizes, hardware, library versions, or "analytical" and the cluster file).
+dtype, parallel sizes, hardware, library versions, or "analytical" and the cluster file),
+and optionally ``step_extras`` (`StepExtras`): the parts of a training step outside the
+layers, measured by `dhelix profile` on the same ranks for the table's model config,
+which the whole-step simulator (`planner.whole_step`) adds around the layers.
 
 File format (JSON)::
 
@@ -22,7 +25,15 @@ File format (JSON)::
      "alone_f": {"qkv": 1.2e-3, ...}, "alone_b": {...},
      "pair": {"qkv": {"rs_mlp_b": 1.5e-3, ...}, ...},      # pair[f][b]
      "in_step_f": {...}, "in_step_b": {...},                # optional
+     "step_extras": {"pre_fwd_s": ..., "pre_bwd_s": ..., "post_fwd_s": ...,
+                     "post_bwd_s": ..., "optimizer_s": ..., "finalize_s": ...,
+                     "zero_grad_s": ..., "num_layers": 16,
+                     "data_parallel_size": 1},             # optional
      "provenance": {...}}
+
+A table without ``step_extras`` (written before they were measured, or by the analytical
+model) loads as before; ``CostTable.step_extras`` is then None. The extras take no part in
+the layer signature: they describe the model around the layer, not the layer.
 
 Every problem with a table file raises `TableError` naming the file and what is wrong.
 """
@@ -54,6 +65,62 @@ def concurrent(f: OpSpec, b: OpSpec) -> bool:
 
 
 @dataclass
+class StepExtras:
+    """Seconds of the parts of a training step outside the DHelix layers, measured with
+    megatron's modules of the model `dhelix train` builds (`profiler/step_extras.py`):
+
+    * per micro-batch: the pre-process (embedding) forward and backward, and the
+      post-process (final norm, output layer, loss) forward and backward;
+    * per step: the optimizer step (the trainer's AdamW over every parameter of the
+      whole model at the table's TP size, ``num_layers`` layers), the grad finalize
+      (megatron's `finalize_model_grads`: the layernorm grads' all-reduce under SP, the DP
+      reduction) and zeroing the grad buffers when the step starts.
+    """
+    pre_fwd_s: float
+    pre_bwd_s: float
+    post_fwd_s: float
+    post_bwd_s: float
+    optimizer_s: float
+    finalize_s: float
+    num_layers: int                 # layers of the model the optimizer step was timed on
+    zero_grad_s: float = 0.0
+    data_parallel_size: int = 1     # ranks the DP reduction spanned when measured
+
+    SECONDS = ("pre_fwd_s", "pre_bwd_s", "post_fwd_s", "post_bwd_s", "optimizer_s",
+               "finalize_s")
+
+    def per_microbatch(self) -> float:
+        """What one micro-batch adds outside the layers, forward and backward."""
+        return self.pre_fwd_s + self.pre_bwd_s + self.post_fwd_s + self.post_bwd_s
+
+    def per_step(self) -> float:
+        """What one step adds once, whatever its micro-batch count."""
+        return self.optimizer_s + self.finalize_s + self.zero_grad_s
+
+    def to_json(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.SECONDS},
+                "zero_grad_s": self.zero_grad_s, "num_layers": self.num_layers,
+                "data_parallel_size": self.data_parallel_size}
+
+    @staticmethod
+    def from_json(d, source: str = "<table>") -> "StepExtras":
+        if not isinstance(d, dict):
+            raise TableError(f"{source}: field 'step_extras' must be an object")
+        missing = [k for k in StepExtras.SECONDS + ("num_layers",) if k not in d]
+        if missing:
+            raise TableError(f"{source}: step_extras lacks {', '.join(missing)}; re-run "
+                             f"`dhelix profile` to measure them again")
+        kw = {k: _num(d[k], source, f"step_extras[{k}]") for k in StepExtras.SECONDS}
+        kw["zero_grad_s"] = _num(d.get("zero_grad_s", 0.0), source, "step_extras[zero_grad_s]")
+        for k, default in (("num_layers", None), ("data_parallel_size", 1)):
+            v = d.get(k, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise TableError(f"{source}: entry step_extras[{k}] is {v!r}, not a count >= 1")
+            kw[k] = v
+        return StepExtras(**kw)
+
+
+@dataclass
 class CostTable:
     signature: str
     forward: List[str]
@@ -64,6 +131,7 @@ class CostTable:
     provenance: Dict = field(default_factory=dict)
     in_step_f: Dict[str, float] = field(default_factory=dict)
     in_step_b: Dict[str, float] = field(default_factory=dict)
+    step_extras: Optional[StepExtras] = None
 
     # ---- construction ---------------------------------------------------------------
     @staticmethod
@@ -145,11 +213,15 @@ class CostTable:
         nested: Dict[str, Dict[str, float]] = {}
         for (f, b), v in self.pair.items():
             nested.setdefault(f, {})[b] = v
-        return {"format": TABLE_FORMAT, "version": TABLE_VERSION, "signature": self.signature,
-                "forward": list(self.forward), "backward": list(self.backward),
-                "alone_f": dict(self.alone_f), "alone_b": dict(self.alone_b),
-                "pair": nested, "in_step_f": dict(self.in_step_f),
-                "in_step_b": dict(self.in_step_b), "provenance": self.provenance}
+        d = {"format": TABLE_FORMAT, "version": TABLE_VERSION, "signature": self.signature,
+             "forward": list(self.forward), "backward": list(self.backward),
+             "alone_f": dict(self.alone_f), "alone_b": dict(self.alone_b),
+             "pair": nested, "in_step_f": dict(self.in_step_f),
+             "in_step_b": dict(self.in_step_b)}
+        if self.step_extras is not None:         # absent, not null: old readers ignore it
+            d["step_extras"] = self.step_extras.to_json()
+        d["provenance"] = self.provenance
+        return d
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -188,9 +260,12 @@ class CostTable:
             if not isinstance(v, dict):
                 raise TableError(f"{source}: field '{key}' must be an object")
             in_step.append({str(k): _num(x, source, f"{key}[{k}]") for k, x in v.items()})
+        extras = d.get("step_extras")
+        if extras is not None:
+            extras = StepExtras.from_json(extras, source)
         return CostTable(str(d["signature"]), [str(n) for n in d["forward"]],
                          [str(n) for n in d["backward"]], alone_f, alone_b, pair, prov,
-                         in_step[0], in_step[1])
+                         in_step[0], in_step[1], extras)
 
     @staticmethod
     def load(path: str, layer: Optional[LayerOps] = None, pairs: str = "all",
@@ -241,4 +316,4 @@ def _fmt(v) -> str:
     return "" if v is None else repr(float(v))
 
 
-__all__ = ["CostTable", "TableError", "TABLE_FORMAT", "TABLE_VERSION", "concurrent"]
+__all__ = ["CostTable", "StepExtras", "TableError", "TABLE_FORMAT", "TABLE_VERSION", "concurrent"]

@@ -28,6 +28,7 @@ class ProfileOptions:
     repeats: int = 5                 # timed runs per measurement; the median is kept
     out: str = "table.json"          # profile: the table; validate-model: a prefix
     pairs: str = "concurrent"        # profile: "concurrent" or "all"
+    step_extras: bool = True         # profile: also embedding, loss, optimizer, finalize
     table: Optional[str] = None      # validate-model: the table (default: profile now)
     plans: int = 30                  # validate-model: random legal plans
     force: bool = False              # validate-model: a table of another shape anyway
@@ -66,6 +67,12 @@ def profile_here(o: ProfileOptions) -> None:
     def body(h, m, rank0):
         table = profile_layer(h, m, o.bf16, o.warmup, o.repeats, show_progress=rank0,
                               pairs=o.pairs)
+        if o.step_extras:
+            # the rest of a training step, on the model `dhelix train` builds (last: it
+            # sets up megatron's parallel state again, as the trainer does)
+            from dhelix.profiler.step_extras import profile_step_extras
+            table.step_extras = profile_step_extras(o, m, h.device, o.warmup, o.repeats,
+                                                    show_progress=rank0)
         if rank0:
             os.makedirs(os.path.dirname(os.path.abspath(o.out)), exist_ok=True)
             table.save(o.out)
@@ -76,6 +83,14 @@ def profile_here(o: ProfileOptions) -> None:
                   f"backward ops, {len(table.pair)} pairs -> {o.out}, {csv}")
             print(f"  OEF median {sorted(oefs)[len(oefs) // 2]:.2f}, min {min(oefs):.2f}, "
                   f"max {max(oefs):.2f}")
+            x = table.step_extras
+            if x is not None:
+                print(f"  step extras ({x.num_layers} layers, DP {x.data_parallel_size}): "
+                      f"embedding fwd {x.pre_fwd_s * 1e3:.2f} / bwd {x.pre_bwd_s * 1e3:.2f} ms, "
+                      f"loss fwd {x.post_fwd_s * 1e3:.2f} / bwd {x.post_bwd_s * 1e3:.2f} ms "
+                      f"per micro-batch; optimizer {x.optimizer_s * 1e3:.2f} ms, finalize "
+                      f"{x.finalize_s * 1e3:.2f} ms, zero grad {x.zero_grad_s * 1e3:.2f} ms "
+                      f"per step")
     _on_rank(o, body)
 
 

@@ -1,0 +1,180 @@
+"""The whole training step (PP = 1) on the simulator: the layers by the layer simulator,
+the rest of the step from the table's measured extras (DESIGN §1.5, §1.6).
+
+DHelix's schedule with N micro-batches and L layers is (`schedules/dhelix.py`)
+
+    F(1);  [F(k+1) ∥ B(k)] for k = 1..N−1;  B(N)
+
+* F(1): α's L layers alone. The executor runs only the plan steps that hold forward ops
+  (β is absent), each ending at its barrier, so one layer costs the sum over those steps
+  of `LaneModel.step(fwd ops, [])` — not the trivial plan's one forward step: a plan that
+  cut the forward into pieces pays a barrier between them even without a partner.
+* each co-executed step: α's layer i beside β's layer L−i+1 by the plan, so L times the
+  plan's makespan (every plan step, both strands).
+* B(N): β's L layers alone, the plan steps that hold backward ops.
+* around the layers, every micro-batch once: the pre-process (embedding) forward and
+  backward and the post-process (final norm, output layer, loss) forward and backward;
+  the schedule runs them on the same thread as the layers, never beside a layer, so they
+  add up. Per step once: the grad finalize, the optimizer step, zeroing the grad buffers.
+
+Megatron's order (each micro-batch's forward then its backward, nothing paired) is the
+same sum with N forwards alone and N backwards alone of the trivial plan — one step each,
+so a comm runs beside its own strand's next ops as in megatron's layer — and no co-steps.
+
+Both are one formula, `WholeStep`: L × (forwards alone × F + backwards alone × B +
+co-steps × P) + N × (per micro-batch extras) + per step extras. Everything is a sum
+because every piece ends before the next starts (barriers, the one schedule thread).
+
+What a forward or backward with no partner costs is a function (`AloneCost`), so that a
+schedule that splits F(1)/B(N) differently (e.g. into two halves run beside each other)
+swaps it without touching the rest.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, List, Optional, Tuple
+
+from dhelix.planner.costs import CostTable, StepExtras, TableError
+from dhelix.planner.opspec import LayerOps
+from dhelix.planner.plan import Plan, trivial_plan, validate
+from dhelix.planner.simulate import LaneModel
+
+# (lane model, plan) -> (one layer's forward with no partner, its backward with none)
+AloneCost = Callable[[LaneModel, Plan], Tuple[float, float]]
+
+
+def plan_steps_alone(model: LaneModel, plan: Plan) -> Tuple[float, float]:
+    """What the executor does today for a layer with no partner (`run_layer_step` with
+    one strand): every plan step that holds that strand's ops, alone, one after another
+    (each step ends at its barrier, so the times add)."""
+    fpos = {n: k for k, n in enumerate(model.f_names)}
+    bpos = {n: k for k, n in enumerate(model.b_names)}
+    f = b = 0.0
+    for st in plan.steps:
+        if st.fwd:
+            f += model.step([fpos[n] for n in st.fwd], [])[0]
+        if st.bwd:
+            b += model.step([], [bpos[n] for n in st.bwd])[0]
+    return f, b
+
+
+def plan_makespan(model: LaneModel, plan: Plan) -> float:
+    """One co-executed layer pair: every step of the plan with both strands, summed (the
+    same number `simulate(layer, plan, table).makespan` gives)."""
+    fpos = {n: k for k, n in enumerate(model.f_names)}
+    bpos = {n: k for k, n in enumerate(model.b_names)}
+    return sum(model.step([fpos[n] for n in st.fwd], [bpos[n] for n in st.bwd])[0]
+               for st in plan.steps)
+
+
+@dataclass
+class WholeStep:
+    """One training step, predicted: how many layer forwards / backwards run alone and
+    how many co-executed layer-pair steps there are, what each costs, and the extras.
+    Every `*_s` field is seconds; `total_s` is their sum (see the module doc)."""
+    schedule: str                  # "dhelix" or "megatron"
+    num_layers: int                # L
+    num_microbatches: int          # N
+    forwards_alone: int            # micro-batches whose forward runs with no partner
+    backwards_alone: int           # ... whose backward runs with no partner
+    co_steps: int                  # F(k+1) ∥ B(k) steps (each L layer pairs)
+    layer_forward_s: float         # one layer's forward alone
+    layer_backward_s: float        # one layer's backward alone
+    layer_pair_s: float            # one layer pair co-executed (the plan's makespan)
+    forward_alone_s: float         # L × forwards_alone × layer_forward_s
+    backward_alone_s: float        # L × backwards_alone × layer_backward_s
+    co_steps_s: float              # L × co_steps × layer_pair_s
+    microbatch_extras_s: float     # N × (pre fwd + pre bwd + post fwd + post bwd)
+    step_extras_s: float           # optimizer + finalize + zero grad, once
+    total_s: float
+
+    @property
+    def layers_s(self) -> float:
+        return self.forward_alone_s + self.backward_alone_s + self.co_steps_s
+
+    def phases(self) -> List[Tuple[str, float]]:
+        """(label, seconds) of each part, for printing; they add up to `total_s`."""
+        L, N = self.num_layers, self.num_microbatches
+        if self.schedule == "dhelix":
+            out = [(f"F(1): {L} layers forward alone", self.forward_alone_s),
+                   (f"{self.co_steps} co-steps F(k+1) ∥ B(k): {L} layer pairs each",
+                    self.co_steps_s),
+                   (f"B({N}): {L} layers backward alone", self.backward_alone_s)]
+        else:
+            out = [(f"{self.forwards_alone} forwards: {L} layers each", self.forward_alone_s),
+                   (f"{self.backwards_alone} backwards: {L} layers each",
+                    self.backward_alone_s)]
+        return out + [(f"embedding + loss, fwd and bwd, × {N} micro-batches",
+                       self.microbatch_extras_s),
+                      ("optimizer + grad finalize + zero grad", self.step_extras_s)]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _assemble(schedule: str, L: int, N: int, nf: int, nb: int, nc: int, f: float, b: float,
+              p: float, extras: StepExtras) -> WholeStep:
+    fa, ba, co = L * nf * f, L * nb * b, L * nc * p
+    mb = N * extras.per_microbatch()
+    st = extras.per_step()
+    return WholeStep(schedule, L, N, nf, nb, nc, f, b, p, fa, ba, co, mb, st,
+                     fa + ba + co + mb + st)
+
+
+def _check_counts(num_layers: int, num_microbatches: int) -> None:
+    if num_layers < 1:
+        raise ValueError(f"whole step: num_layers must be >= 1, not {num_layers}")
+    if num_microbatches < 1:
+        raise ValueError(f"whole step: num_microbatches must be >= 1, not {num_microbatches}")
+
+
+def simulate_step(layer: LayerOps, plan: Plan, table: CostTable, num_layers: int,
+                  num_microbatches: int, extras: StepExtras, *, force: bool = False,
+                  alone: AloneCost = plan_steps_alone) -> WholeStep:
+    """DHelix's step: F(1); N−1 co-steps; B(N); the extras (module doc). With N = 1 there
+    is no co-step: F(1) then B(1), each layer alone."""
+    _check_counts(num_layers, num_microbatches)
+    validate(plan, layer)
+    model = LaneModel(layer, table, force=force)
+    f, b = alone(model, plan)
+    p = plan_makespan(model, plan)
+    N = num_microbatches
+    return _assemble("dhelix", num_layers, N, 1, 1, N - 1, f, b, p, extras)
+
+
+def simulate_megatron_step(layer: LayerOps, table: CostTable, num_layers: int,
+                           num_microbatches: int, extras: StepExtras, *,
+                           force: bool = False) -> WholeStep:
+    """Megatron's order: each micro-batch's forward, then its backward, every layer alone
+    (the trivial plan: one forward step, one backward step), and the same extras."""
+    _check_counts(num_layers, num_microbatches)
+    model = LaneModel(layer, table, force=force)
+    f, b = plan_steps_alone(model, trivial_plan(layer))
+    N = num_microbatches
+    return _assemble("megatron", num_layers, N, N, N, 0, f, b, 0.0, extras)
+
+
+def extras_of(table: CostTable, source: str = "<table>") -> StepExtras:
+    """The table's step extras, or a TableError naming the file and the fix."""
+    if table.step_extras is None:
+        raise TableError(
+            f"{source}: the table has no step_extras (the embedding, loss, optimizer and "
+            f"grad-finalize times a whole-step prediction adds to the layers); it was "
+            f"made before `dhelix profile` measured them, or by the analytical model: "
+            f"re-run `dhelix profile` with the same shape flags to write a table with them")
+    return table.step_extras
+
+
+def predict(layer: LayerOps, plan: Plan, table: CostTable, num_microbatches: int,
+            num_layers: Optional[int] = None, source: str = "<table>",
+            force: bool = False) -> Tuple[WholeStep, WholeStep]:
+    """(DHelix's step with `plan`, megatron's step) from one table with extras; the layer
+    count defaults to the one the extras were measured with."""
+    extras = extras_of(table, source)
+    L = num_layers or extras.num_layers
+    return (simulate_step(layer, plan, table, L, num_microbatches, extras, force=force),
+            simulate_megatron_step(layer, table, L, num_microbatches, extras, force=force))
+
+
+__all__ = ["AloneCost", "WholeStep", "extras_of", "plan_makespan", "plan_steps_alone",
+           "predict", "simulate_megatron_step", "simulate_step"]
