@@ -336,9 +336,9 @@ def test_whole_step_arithmetic_on_a_two_op_layer():
 
 
 def test_whole_step_is_the_sum_of_lane_model_steps_on_random_plans():
-    """F(1) and B(N) play only the plan's steps with their own strand's ops (each ending at
-    its barrier), a co-step the whole plan; with the trivial plan DHelix's step is
-    megatron's order."""
+    """F(1) and B(N) play their own strand's ops in the plan's order as one step (no
+    barrier without a partner), a co-step the whole plan; with the trivial plan DHelix's
+    step is megatron's order."""
     rng = random.Random(11)
     for _ in range(60):
         layer = random_layer(rng)
@@ -348,8 +348,8 @@ def test_whole_step_is_the_sum_of_lane_model_steps_on_random_plans():
         model = LaneModel(layer, table)
         fpos = {n: k for k, n in enumerate(model.f_names)}
         bpos = {n: k for k, n in enumerate(model.b_names)}
-        f = sum(model.step([fpos[n] for n in s.fwd], [])[0] for s in plan.steps if s.fwd)
-        b = sum(model.step([], [bpos[n] for n in s.bwd])[0] for s in plan.steps if s.bwd)
+        f = model.step([fpos[n] for s in plan.steps for n in s.fwd], [])[0]
+        b = model.step([], [bpos[n] for s in plan.steps for n in s.bwd])[0]
         p = simulate(layer, plan, table).makespan
         w = simulate_step(layer, plan, table, L, N, EXTRAS)
         assert w.layer_forward_s == pytest.approx(f) and w.layer_backward_s == pytest.approx(b)

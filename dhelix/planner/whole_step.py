@@ -5,13 +5,12 @@ DHelix's schedule with N micro-batches and L layers is (`schedules/dhelix.py`)
 
     F(1);  [F(k+1) ∥ B(k)] for k = 1..N−1;  B(N)
 
-* F(1): α's L layers alone. The executor runs only the plan steps that hold forward ops
-  (β is absent), each ending at its barrier, so one layer costs the sum over those steps
-  of `LaneModel.step(fwd ops, [])` — not the trivial plan's one forward step: a plan that
-  cut the forward into pieces pays a barrier between them even without a partner.
+* F(1): α's L layers alone. The executor runs a strand without a partner as one step of
+  its ops in the plan's order (no barrier between them), so one layer costs
+  `LaneModel.step(all forward ops, [])`.
 * each co-executed step: α's layer i beside β's layer L−i+1 by the plan, so L times the
   plan's makespan (every plan step, both strands).
-* B(N): β's L layers alone, the plan steps that hold backward ops.
+* B(N): β's L layers alone, one step of the backward ops in the plan's order.
 * around the layers, every micro-batch once: the pre-process (embedding) forward and
   backward and the post-process (final norm, output layer, loss) forward and backward;
   the schedule runs them on the same thread as the layers, never beside a layer, so they
@@ -44,17 +43,13 @@ AloneCost = Callable[[LaneModel, Plan], Tuple[float, float]]
 
 
 def plan_steps_alone(model: LaneModel, plan: Plan) -> Tuple[float, float]:
-    """What the executor does today for a layer with no partner (`run_layer_step` with
-    one strand): every plan step that holds that strand's ops, alone, one after another
-    (each step ends at its barrier, so the times add)."""
+    """What the executor does for a layer with no partner (`run_layer_step` with one
+    strand): the strand's ops in the plan's order as ONE step — no barrier between them,
+    each comm waited for by its reader."""
     fpos = {n: k for k, n in enumerate(model.f_names)}
     bpos = {n: k for k, n in enumerate(model.b_names)}
-    f = b = 0.0
-    for st in plan.steps:
-        if st.fwd:
-            f += model.step([fpos[n] for n in st.fwd], [])[0]
-        if st.bwd:
-            b += model.step([], [bpos[n] for n in st.bwd])[0]
+    f = model.step([fpos[n] for st in plan.steps for n in st.fwd], [])[0]
+    b = model.step([], [bpos[n] for st in plan.steps for n in st.bwd])[0]
     return f, b
 
 

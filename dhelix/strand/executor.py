@@ -112,7 +112,8 @@ def _barrier(issued, states, tracer: Optional[Tracer]) -> None:
         S.barrier()
 
 
-# program -> {id(plan): (plan, [forward ops per step], [backward ops per step])}
+# program -> {id(plan): (plan, forward ops per step, backward ops per step, all forward
+# ops, all backward ops)}
 _BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -123,9 +124,11 @@ def _bound(plan: Plan, program: LayerProgram):
         per = _BOUND[program] = {}
     got = per.get(id(plan))
     if got is None or got[0] is not plan:      # the plan is held: its id stays its own
-        got = per[id(plan)] = (plan, [[program.fwd[n] for n in s.fwd] for s in plan.steps],
-                               [[program.bwd[n] for n in s.bwd] for s in plan.steps])
-    return got[1], got[2]
+        f = [[program.fwd[n] for n in s.fwd] for s in plan.steps]
+        b = [[program.bwd[n] for n in s.bwd] for s in plan.steps]
+        got = per[id(plan)] = (plan, f, b, [o for ops in f for o in ops],
+                               [o for ops in b for o in ops])
+    return got[1:]
 
 
 def run_layer_step(plan: Plan,
@@ -134,12 +137,21 @@ def run_layer_step(plan: Plan,
                    tracer: Optional[Tracer] = None) -> None:
     """One layer step: α's forward ops of one layer and β's backward ops of one layer
     (the same layer or another of the same shape), in the order the plan gives. Each
-    strand is one state or its node's tiles."""
-    f_ops = _bound(plan, fwd[0])[0] if fwd is not None else None
-    b_ops = _bound(plan, bwd[0])[1] if bwd is not None else None
+    strand is one state or its node's tiles. A strand without a partner runs its ops in
+    the plan's order as one step: no barrier is needed between its own ops (each comm is
+    waited for by its reader), so its comm runs beside its next ops that do not read it
+    (a dgrad's reduce-scatter beside the wgrad after it, as in megatron's layer)."""
+    if fwd is None or bwd is None:
+        if fwd is not None:
+            execute_step((fwd[1], _bound(plan, fwd[0])[2]), None, tracer)
+        elif bwd is not None:
+            execute_step(None, (bwd[1], _bound(plan, bwd[0])[3]), tracer)
+        return
+    f_ops = _bound(plan, fwd[0])[0]
+    b_ops = _bound(plan, bwd[0])[1]
     for k in range(len(plan.steps)):
-        a = (fwd[1], f_ops[k]) if f_ops is not None and f_ops[k] else None
-        b = (bwd[1], b_ops[k]) if b_ops is not None and b_ops[k] else None
+        a = (fwd[1], f_ops[k]) if f_ops[k] else None
+        b = (bwd[1], b_ops[k]) if b_ops[k] else None
         if a or b:
             execute_step(a, b, tracer)
 
