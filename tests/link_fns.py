@@ -54,3 +54,84 @@ def time_collectives():
     dist.all_reduce(x)
     res["default_group_s"] = time.perf_counter() - t
     return res
+
+
+def _idle(link):
+    """Sleep until every transfer recorded so far has ended (none in flight)."""
+    left = link.in_flight_until() - time.perf_counter()
+    if left > 0:
+        time.sleep(left + 1e-3)
+
+
+def stretch_gemms(n_mm=200, size=256):
+    """Under a paced link (with or without slow=): a chain of `n_mm` GEMMs run with no
+    transfer in flight, then the same chain while an async all-gather on a 2-rank group is
+    in flight (issued before, waited after), then a backward pass (forward with nothing in
+    flight, backward while an all-gather is) — each with the link's own accounting of the
+    window: stretch charged, GEMMs stretched, in-flight seconds. Also the results, to see
+    the stretch changes no value."""
+    from dhelix.links.contention import installed
+    from dhelix.links.paced import active
+    link = active()
+    g = dist.new_group([0, 1])
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen)
+    b = torch.linalg.qr(torch.randn(size, size, generator=gen))[0]   # keeps norms
+
+    def chain():
+        y = a
+        for _ in range(n_mm):
+            y = torch.mm(y, b)
+        return y
+
+    def window(fn):
+        s, ops = link.stretched_s, link.stretched_ops
+        t0 = time.perf_counter()
+        out = fn()
+        t1 = time.perf_counter()
+        return out, {"stretched": link.stretched_s - s, "ops": link.stretched_ops - ops,
+                     "busy": link.busy_seconds(t0, t1), "wall": t1 - t0}
+
+    res = {"hook": installed(), "link_hook": link.stretch_hook, "slow": link.slow}
+    chain()                                              # warm up
+    _idle(link)
+    count = link.count
+    y_idle, res["idle"] = window(chain)
+    res["idle"]["collectives"] = link.count - count
+    # ~0.84 s of modelled all-gather at 10 Mbit/s; the chain takes ~0.05-0.5 s
+    dist.barrier()
+    x = torch.full((1 << 18,), float(rank))
+    out = torch.empty(1 << 19)
+    work = dist.all_gather_into_tensor(out, x, group=g, async_op=True)
+    y_busy, res["busy"] = window(chain)
+    work.wait()
+    res["gathered"] = bool(torch.equal(out[:1 << 18], torch.zeros(1 << 18)) and
+                           torch.equal(out[1 << 18:], torch.ones(1 << 18)))
+    res["same_values"] = bool(torch.equal(y_idle, y_busy))
+    res["y"] = y_busy
+    # autograd's backward: its GEMMs are stretched too (the hook is on its thread)
+    _idle(link)
+    w = b.clone().requires_grad_(True)
+    (h, res["forward"]) = window(lambda: torch.mm(torch.mm(a, w).tanh(), w).sum())
+    dist.barrier()
+    work = dist.all_gather_into_tensor(torch.empty(1 << 19), torch.ones(1 << 18), group=g,
+                                       async_op=True)               # 0.84 s modelled
+    _, res["backward"] = window(h.backward)
+    work.wait()
+    res["grad"] = w.grad
+    res["total"] = {"stretched": link.stretched_s, "ops": link.stretched_ops,
+                    "slept": link.stretch_slept_s}
+    return res
+
+
+def train_with_stretch(**kw):
+    """`train_fns.train_result`, plus the paced link's contention accounting."""
+    from dhelix.links.paced import active
+    from train_fns import train_result
+    res = train_result(**kw)
+    link = active()
+    res["stretch"] = None if link is None else {
+        "hook": link.stretch_hook, "stretched_s": link.stretched_s,
+        "ops": link.stretched_ops, "slept_s": link.stretch_slept_s}
+    return res

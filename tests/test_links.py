@@ -1,7 +1,9 @@
 """Emulated links: `--link` parsing, the paced link model, training over it."""
 import pytest
+import torch
 
 from dhelix.links import LinkError, parse_link, parse_rate
+from dhelix.links.paced import PacedLink, union_seconds
 from dhelix.testing import run_ranks
 from compare import same_numbers
 import link_fns
@@ -24,6 +26,122 @@ def test_parse_link():
                      ("paced:1gbit,1us,2us", "use paced:RATE")):
         with pytest.raises(LinkError, match=msg):
             parse_link(bad)
+
+
+def test_parse_paced_slow():
+    """`slow=X` after the rate (and the optional latency) sets the contention share; the
+    text stays as given (ranks re-read it from DHELIX_LINK); bad values name the flag and
+    the fix."""
+    p = parse_link("paced:1gbit,20us,slow=0.15")
+    assert (p.kind, p.rate_Bps, p.slow) == ("paced", 1.25e8, 0.15)
+    assert p.latency_s == pytest.approx(20e-6) and p.text == "paced:1gbit,20us,slow=0.15"
+    p = parse_link("paced:1gbit,slow=0.15")
+    assert (p.rate_Bps, p.slow) == (1.25e8, 0.15) and p.latency_s == pytest.approx(20e-6)
+    assert parse_link("paced:2gbit,50us,slow=4").slow == 4.0
+    assert parse_link("paced:2gbit,slow=0").slow == 0.0
+    assert parse_link("paced:2gbit,50us").slow == 0.0 and parse_link("1gbit").slow == 0.0
+    for bad, msg in (("paced:1gbit,slow=abc", r"--links: cannot read slow='abc': give a "
+                      r"number from 0 to 4"),
+                     ("paced:1gbit,20us,slow=-1", r"--links: slow='-1' is out of range: "
+                      r"give a number from 0 to 4"),
+                     ("paced:1gbit,slow=4.5", "out of range"),
+                     ("paced:1gbit,slow=nan", "out of range"),
+                     ("paced:1gbit,slow=", "cannot read slow=''"),
+                     ("paced:1gbit,fast=1", r"unknown option 'fast': the paced link takes "
+                      r"slow=X only \(paced:RATE\[,LATENCY\]\[,slow=X\]"),
+                     ("paced:1gbit,slow=0.1,slow=0.2", "slow= given twice"),
+                     ("paced:1gbit,slow=0.1,20us", "the latency comes right after the rate"),
+                     ("paced:slow=0.1", r"use paced:RATE\[,LATENCY\]\[,slow=X\]"),
+                     ("1gbit,slow=0.1", "for the paced link only")):
+        with pytest.raises(LinkError, match=msg):
+            parse_link(bad, "--links")
+
+
+def test_busy_seconds_is_the_union_of_in_flight_intervals():
+    """busy_seconds(t0, t1): the part of [t0, t1] covered by at least one recorded
+    transfer — overlapping intervals count once, partial overlaps are cut, gaps and
+    intervals outside the window count nothing; old intervals are pruned."""
+    assert union_seconds([(0, 2), (1, 3), (5, 6)], 0, 10) == 4
+    assert union_seconds([(5, 6), (0, 2), (1, 3)], 1.5, 5.5) == pytest.approx(2.0)
+    assert union_seconds([(0, 1)], 1, 2) == 0 and union_seconds([], 0, 1) == 0
+    link = PacedLink(1e6, 0.0)
+    T = 1e6                       # far from now: no pruning of these (KEEP_S after "now")
+    assert link.busy_seconds(T, T + 10) == 0.0 and link.in_flight_until() == 0.0
+    for s, d in ((T + 0, T + 2), (T + 1, T + 3), (T + 5, T + 6), (T + 20, T + 30)):
+        link.record_transfer(s, d)
+    assert link.busy_seconds(T, T + 10) == pytest.approx(4.0)          # union: 3 + 1
+    assert link.busy_seconds(T + 2.5, T + 5.5) == pytest.approx(1.0)   # partial: .5 + .5
+    assert link.busy_seconds(T + 3, T + 5) == 0.0                      # a gap
+    assert link.busy_seconds(T + 6, T + 20) == 0.0                     # touching ends
+    assert link.busy_seconds(T + 25, T + 26) == pytest.approx(1.0)     # inside one
+    assert link.busy_seconds(T + 4, T + 3) == 0.0                      # empty window
+    assert link.in_flight_until() == T + 30
+    # an interval that ends early, recorded after one that ends late, is still seen
+    link.record_transfer(T + 7, T + 8)
+    assert link.busy_seconds(T + 6, T + 10) == pytest.approx(1.0)
+    # intervals that ended more than KEEP_S ago are forgotten when one is recorded
+    import time
+    from dhelix.links import paced
+    old = PacedLink(1e6, 0.0)
+    now = time.perf_counter()
+    old.record_transfer(now - paced.KEEP_S - 5, now - paced.KEEP_S - 1)
+    old.record_transfer(now - 1, now - 0.5)
+    assert len(old._spans) == 1 and old.busy_seconds(now - 2, now) == pytest.approx(0.5)
+    assert old.stretched_s == 0.0 and old.stretched_ops == 0
+
+
+STRETCH_LINK = "paced:10mbit,20us"
+
+
+def _stretch_run(slow, hook=None):
+    env = {"DHELIX_LINK": f"{STRETCH_LINK},slow={slow}"}
+    if hook:
+        env["DHELIX_STRETCH_HOOK"] = hook
+    return run_ranks(link_fns.stretch_gemms, 2, env=env, timeout=240)
+
+
+def test_slow_stretches_gemms_that_overlap_a_transfer():
+    """paced:10mbit,20us,slow=0.5 on 2 ranks, both hooks (kernel overrides, the default on
+    this torch; the dispatch mode, forced): a chain of 200 GEMMs with no transfer in flight
+    is charged nothing (0 in-flight seconds in its window, 0 GEMMs stretched); the same
+    chain while an async all-gather (0.84 s modelled) is in flight is charged more than 0
+    and at most slow x the window's in-flight seconds, and at least a quarter of that (the
+    window is GEMMs, their stretch sleeps and a few us of Python per GEMM: about
+    slow/(1+slow) of it); the sleeps paid the charge (within one batch, MIN_SLEEP_S);
+    autograd's backward GEMMs are stretched while a transfer is in flight, the forward ones
+    with none are not. With slow=0 nothing is installed or charged though the link records
+    the same in-flight seconds. The values (GEMM chains, gathered tensors, gradients) are
+    bit-identical with and without the stretch."""
+    from dhelix.links.contention import MIN_SLEEP_S
+    slow = 0.5
+    runs = {"kernel": _stretch_run(slow), "mode": _stretch_run(slow, "mode"),
+            "off": _stretch_run(0)}
+    for name, res in runs.items():
+        assert len(res) == 2, name
+        for rank, r in enumerate(res):
+            where = (name, rank, r)
+            assert r["gathered"] and r["same_values"], where
+            assert r["idle"]["collectives"] == 0 and r["idle"]["busy"] == 0.0, where
+            assert r["idle"]["stretched"] == 0.0 and r["idle"]["ops"] == 0, where
+            assert r["busy"]["busy"] > 0, where            # the all-gather was in flight
+            assert r["backward"]["busy"] > 0, where
+            assert r["forward"]["ops"] == 0 and r["forward"]["stretched"] == 0.0, where
+            if name == "off":
+                assert r["hook"] is None and r["link_hook"] is None and r["slow"] == 0.0
+                assert r["total"] == {"stretched": 0.0, "ops": 0, "slept": 0.0}, where
+                continue
+            assert r["hook"] == r["link_hook"] == name and r["slow"] == slow, where
+            b = r["busy"]
+            assert 0 < b["ops"] <= 200, where
+            assert 0.25 * slow * b["busy"] <= b["stretched"] <= slow * b["busy"] + 1e-9, where
+            assert r["backward"]["ops"] >= 1 and r["backward"]["stretched"] > 0, where
+            t = r["total"]
+            assert t["ops"] == b["ops"] + r["backward"]["ops"], where
+            assert t["slept"] >= t["stretched"] - MIN_SLEEP_S, where
+        for rank in range(2):
+            off = runs["off"][rank]
+            assert torch.equal(res[rank]["y"], off["y"]), (name, rank)
+            assert torch.equal(res[rank]["grad"], off["grad"]), (name, rank)
 
 
 def test_paced_link_delays_to_the_model_holding_no_cpu():
@@ -55,7 +173,10 @@ def test_training_over_the_paced_link_is_unchanged():
     the link was on (it paced > 0 collectives, modelled > 0 s of transfer) and slowed the
     run (its waits slept past the data's arrival: > 0 s; 1.1-1.9 s of the 2.07 s modelled
     when written), the run with DHELIX_LINK=none had no link, and the losses are
-    bit-identical to that run's (pacing delays, never changes, a collective)."""
+    bit-identical to that run's (pacing delays, never changes, a collective). DHelix once
+    more with slow=0.5 (paced:10mbit,slow=0.5): its GEMMs that overlap a transfer were
+    stretched (> 0 of them, > 0 s charged), the same collectives ran, and the losses are
+    again bit-identical."""
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=4, global_batch_size=6, seq_length=32)
     # slow enough that the waits sleep: ~2 s of modelled transfer per rank for this run
@@ -74,6 +195,18 @@ def test_training_over_the_paced_link_is_unchanged():
             assert link["waited_s"] > 0, (rank, name, link)     # the link slowed the run
         same_numbers(b["losses"], p["losses"], tol=0.0, what=f"rank {rank} megatron losses")
         same_numbers(d["losses"], p["losses"], tol=0.0, what=f"rank {rank} dhelix losses")
+    # contention: DHelix's executor and megatron's layers under the GEMM stretch hook
+    slow = run_ranks(link_fns.train_with_stretch, 2, timeout=300,
+                     env={"DHELIX_LINK": "paced:10mbit,slow=0.5"}, dhelix={"enabled": True},
+                     **kw)
+    assert len(slow) == 2
+    for rank, (p, s) in enumerate(zip(plain, slow)):
+        st = s["stretch"]
+        assert st is not None and st["hook"] == "kernel", (rank, st)
+        assert st["ops"] > 0 and st["stretched_s"] > 0, (rank, st)   # ~215 GEMMs, ~6 ms
+        assert s["link"]["collectives"] == dh[rank]["link"]["collectives"], (rank, s["link"])
+        same_numbers(s["losses"], p["losses"], tol=0.0,
+                     what=f"rank {rank} dhelix losses with slow=0.5")
 
 
 def test_shm_attach_waits_for_a_segment_being_sized():

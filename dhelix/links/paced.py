@@ -16,13 +16,17 @@ sum all-reduces of ranks on this machine (`shm.py`: gloo's loopback TCP would co
 much CPU as the link time being modelled), through gloo otherwise. The Work's `wait()`
 waits for the data, then sleeps until the modelled completion: a timed wait that holds
 no core, as a NIC or NVLink moving bytes by DMA leaves the cores free. Not modelled: the
-SMs a real NCCL kernel occupies, contention between different links, and congestion.
+SMs a real NCCL kernel occupies (unless `slow=X` is given: then `contention.py` stretches
+the GEMMs that overlap this rank's in-flight transfers, using the in-flight intervals
+recorded here, `PacedLink.busy_seconds`), contention between different links, and
+congestion.
 """
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -106,9 +110,31 @@ class PacedWork(dist.Work):
         return self.wait()
 
 
+# how long a transfer's in-flight interval is kept after it ends: a GEMM asks about the
+# interval it ran in, so this only has to outlast the longest single GEMM
+KEEP_S = 60.0
+
+
+def union_seconds(spans, t0: float, t1: float) -> float:
+    """The measure of the union of the intervals `spans` ((start, end) pairs) within
+    [t0, t1]."""
+    cut = sorted((max(s, t0), min(e, t1)) for s, e in spans if s < t1 and e > t0)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in cut:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
 class PacedLink:
-    def __init__(self, rate_Bps: float, latency_s: float):
-        self.rate, self.latency = rate_Bps, latency_s
+    def __init__(self, rate_Bps: float, latency_s: float, slow: float = 0.0):
+        self.rate, self.latency, self.slow = rate_Bps, latency_s, slow
         self.free_at: Dict[str, float] = {}       # link -> when it is next free
         self.last_done: Dict[int, float] = {}     # group -> its latest modelled completion
         self._keys: Dict[int, Optional[str]] = {}
@@ -117,6 +143,19 @@ class PacedLink:
         self.modelled_s = 0.0                     # statistics for tests and reports
         self.waited_s = 0.0
         self.count = 0
+        # this rank's transfers in flight, as modelled: (start, done) in schedule order,
+        # and the running maximum of done (non-decreasing: the first entry a query from
+        # t0 needs is found by bisection, and old ones are pruned from the front)
+        self._spans: List[Tuple[float, float]] = []
+        self._reach: List[float] = []
+        # contention (slow > 0, `contention.py`): the stretch charged to GEMMs that ran
+        # while a transfer was in flight (slow x their in-flight seconds), how many were
+        # stretched, the seconds actually slept for it (sleeps are batched: within
+        # contention.MIN_SLEEP_S of the charge), and the hook ("kernel" | "mode" | None)
+        self.stretched_s = 0.0
+        self.stretched_ops = 0
+        self.stretch_slept_s = 0.0
+        self.stretch_hook: Optional[str] = None
 
     def link_of(self, pg) -> Optional[str]:
         """The link a group's collectives queue on; None for the default group."""
@@ -147,22 +186,70 @@ class PacedLink:
                                  self.latency)
         with self.lock:
             now = time.perf_counter()
-            done = max(now, self.free_at.get(key, 0.0)) + dur
+            start = max(now, self.free_at.get(key, 0.0))
+            done = start + dur
             self.free_at[key] = done
             self.last_done[id(pg)] = done
+            self._record(start, done, now)
             self.modelled_s += dur
             self.count += 1
         return done
+
+    def _record(self, start: float, done: float, now: float) -> None:
+        """(under the lock) A transfer in flight from `start` to `done`; forget those that
+        ended more than KEEP_S before `now`."""
+        self._spans.append((start, done))
+        self._reach.append(max(done, self._reach[-1]) if self._reach else done)
+        old = bisect.bisect_left(self._reach, now - KEEP_S)
+        if old:
+            del self._spans[:old], self._reach[:old]
+
+    def record_transfer(self, start: float, done: float) -> None:
+        """Note a transfer of this rank in flight over [start, done] (host clock,
+        time.perf_counter); `schedule` does it for every paced collective."""
+        with self.lock:
+            self._record(start, done, time.perf_counter())
+
+    def busy_seconds(self, t0: float, t1: float) -> float:
+        """How long within [t0, t1] at least one transfer of this rank was in flight
+        (the measure of the union of the in-flight intervals, cut to [t0, t1])."""
+        if t1 <= t0:
+            return 0.0
+        with self.lock:
+            first = bisect.bisect_right(self._reach, t0)   # before it: all ended by t0
+            if first == len(self._spans):
+                return 0.0
+            spans = self._spans[first:]
+        return union_seconds(spans, t0, t1)
+
+    def in_flight_until(self) -> float:
+        """When the last transfer recorded so far ends (0.0 if none)."""
+        with self.lock:
+            return self._reach[-1] if self._reach else 0.0
+
+    def charge_stretch(self, extra_s: float) -> None:
+        with self.lock:
+            self.stretched_s += extra_s
+            self.stretched_ops += 1
+
+    def note_stretch_sleep(self, slept_s: float) -> None:
+        with self.lock:
+            self.stretch_slept_s += slept_s
 
 
 _ACTIVE: Dict[str, PacedLink] = {}
 
 
 def install(link: Link) -> PacedLink:
-    """Wrap ProcessGroup's collective methods with `link`'s model (once per process)."""
+    """Wrap ProcessGroup's collective methods with `link`'s model (once per process); with
+    `slow=X`, also stretch the GEMMs that overlap a transfer (`contention.py`; the calling
+    thread is the rank's training thread)."""
     if "link" in _ACTIVE:
         return _ACTIVE["link"]
-    paced = PacedLink(link.rate_Bps, link.latency_s)
+    paced = PacedLink(link.rate_Bps, link.latency_s, link.slow)
+    if link.slow > 0:
+        from dhelix.links.contention import install_stretch
+        paced.stretch_hook = install_stretch(paced, link.slow)
     for name, (collective, arg) in METHODS.items():
         orig = getattr(_PG, name, None)
         if orig is not None:
