@@ -40,7 +40,7 @@ from typing import Dict, List
 
 from dhelix.links import parse_link
 
-METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan")
+METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan", "dhelix-halves")
 PP_METHODS = ("megatron-1f1b", "megatron-interleaved", "dhelix-fold")
 # MoE: the intra-batch peer splits dense layers only; megatron's own fwd∥bwd overlap for
 # MoE (combined 1F1B, --overlap-moe-expert-parallel-comm) needs CUDA streams and events
@@ -144,9 +144,13 @@ def _argv(a, cfg, out_json, method, cluster, trace):
         argv += ["--dhelix-peer", "intra-batch"]
     elif method == "dhelix-trivial":
         argv += ["--dhelix", "--dhelix-plan", "trivial", "--dhelix-trace", trace]
-    elif method in ("dhelix-plan", "dhelix-fold"):
+    elif method in ("dhelix-plan", "dhelix-halves", "dhelix-fold"):
         argv += ["--dhelix"] + (["--dhelix-overlap-table", cluster]
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
+        if method == "dhelix-halves":
+            argv += ["--dhelix-halves"]
+    if dp > 1:          # DP: megatron's bucketed grad reduce overlapped, in every method
+        argv += ["--overlap-grad-reduce"]
     if a.expert_model_parallel_size > 1:
         argv += ["--expert-model-parallel-size", str(a.expert_model_parallel_size),
                  "--expert-tensor-parallel-size", "1"]
@@ -164,6 +168,15 @@ def _argv(a, cfg, out_json, method, cluster, trace):
             argv += ["--num-layers-per-virtual-pipeline-stage",
                      str(load_model_config(cfg).num_layers // (2 * pp))]
     return argv
+
+
+def _node_env(a) -> Dict[str, str]:
+    """With data parallelism, two emulated nodes or more: each TP group inside a node, the
+    DP groups across nodes (their reduction on the inter lane, as on a cluster)."""
+    tp = a.tensor_model_parallel_size
+    if a.pipeline_model_parallel_size > 1 or a.context_parallel_size > 1 or a.nproc <= tp:
+        return {}
+    return {"DHELIX_NODE_IDS": ",".join(str(r // tp) for r in range(a.nproc))}
 
 
 def _profile_argv(a, cfg, out_table):
@@ -255,6 +268,7 @@ def run_bench(a: BenchOptions) -> int:
                     else:
                         cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))
                     res = {}
+                    env = dict(env, **_node_env(a))
                     for rnd in range(a.rounds):
                         for method in methods:
                             out = os.path.join(work, f"{cfg}-{link}-{method}-{rnd}.json")

@@ -40,9 +40,11 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=None,
                    help="with --nproc: stop all ranks after this many seconds")
     g.add_argument("--link", default="none", metavar="LINK",
-                   help="with --nproc, an emulated cluster link: 'paced:RATE[,LATENCY]' "
-                        "(e.g. paced:2gbit,20us: collectives complete no earlier than a "
-                        "link model says, holding no CPU, like DMA), 'RATE' (e.g. 2gbit: "
+                   help="with --nproc, an emulated cluster link: 'paced:RATE[,LATENCY]"
+                        "[,slow=X]' (e.g. paced:2gbit,20us: collectives complete no earlier "
+                        "than a link model says, holding no CPU, like DMA; slow=0.15 "
+                        "stretches the GEMMs that overlap a transfer by 15%%, as a NCCL "
+                        "kernel's SMs would), 'RATE' (e.g. 2gbit: "
                         "a network namespace whose loopback tc-tbf limits; needs root; "
                         "every byte costs CPU) or 'none' (default)")
 

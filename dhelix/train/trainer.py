@@ -298,13 +298,15 @@ def progress_clock(elapsed: float, times: List[float], total: int) -> str:
 
 def _link_stats() -> Optional[dict]:
     """What the paced link did in this process (None without one): collectives it paced,
-    their modelled seconds, and the seconds their waits slept past the data's arrival."""
+    their modelled seconds, the seconds their waits slept past the data's arrival, and
+    with `slow=` the GEMMs stretched and the seconds charged for them."""
     from dhelix.links.paced import active
     link = active()
     if link is None:
         return None
     return {"collectives": link.count, "modelled_s": link.modelled_s,
-            "waited_s": link.waited_s}
+            "waited_s": link.waited_s, "stretched_ops": link.stretched_ops,
+            "stretched_s": link.stretched_s}
 
 
 def _per_stage(value, device, dtype=torch.int64) -> list:
