@@ -149,7 +149,8 @@ def _argv(a, cfg, out_json, method, cluster, trace):
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
         if method == "dhelix-halves":
             argv += ["--dhelix-halves"]
-    if dp > 1:          # DP: megatron's bucketed grad reduce overlapped, in every method
+    if dp > 1 and a.expert_model_parallel_size == 1 and cp == 1:
+        # dense DP: megatron's bucketed grad reduce overlapped, in every method
         argv += ["--overlap-grad-reduce"]
     if a.expert_model_parallel_size > 1:
         argv += ["--expert-model-parallel-size", str(a.expert_model_parallel_size),
@@ -171,10 +172,12 @@ def _argv(a, cfg, out_json, method, cluster, trace):
 
 
 def _node_env(a) -> Dict[str, str]:
-    """With data parallelism, two emulated nodes or more: each TP group inside a node, the
-    DP groups across nodes (their reduction on the inter lane, as on a cluster)."""
+    """With dense data parallelism, two emulated nodes or more: each TP group inside a
+    node, the DP groups across nodes (their reduction on the inter lane, as on a cluster).
+    The layer's own groups stay inside a node, as in the table profiled on them."""
     tp = a.tensor_model_parallel_size
-    if a.pipeline_model_parallel_size > 1 or a.context_parallel_size > 1 or a.nproc <= tp:
+    if a.pipeline_model_parallel_size > 1 or a.context_parallel_size > 1 or \
+            a.expert_model_parallel_size > 1 or a.nproc <= tp:
         return {}
     return {"DHELIX_NODE_IDS": ",".join(str(r // tp) for r in range(a.nproc))}
 
