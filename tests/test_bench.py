@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from dhelix.bench.run import _split_links, markdown
+from dhelix.bench.report import markdown
+from dhelix.bench.run import _split_links
 from dhelix.testing import run_ranks
 from compare import same_runs
 from train_fns import train_result

@@ -1,0 +1,69 @@
+"""What the simulators predict for a bench's runs, from the costs the planned runs used
+(the profiled table, or the analytical model of this machine): the layer's speedup, the
+whole step (`planner.whole_step`) and the pipeline schedules (`planner.pipeline`)."""
+from __future__ import annotations
+
+from typing import Dict
+
+from dhelix.links import parse_link
+
+
+def layer_costs(a, cfg, cost_source):
+    """The bench's layer (LayerOps) and the costs its planned runs used: the profiled
+    table, or the analytical model of this machine."""
+    from dhelix.planner.problem import layer_for_shape, load_costs
+    tp = a.tensor_model_parallel_size
+    shape = {"config": cfg, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
+             "mbs": a.micro_batch_size, "bf16": False, "lane": "intra",
+             "ep": a.expert_model_parallel_size, "cp": a.context_parallel_size}
+    layer = layer_for_shape(shape)
+    table = cost_source if cost_source.endswith(".json") else None
+    costs, _ = load_costs(layer, shape, table, None if table else cost_source, False)
+    return layer, costs
+
+
+def layer_prediction(a, cfg, cost_source) -> float:
+    """The simulator's layer speedup (trivial plan / planned) from the costs the planned
+    run used."""
+    from dhelix.planner import dp
+    layer, costs = layer_costs(a, cfg, cost_source)
+    meta = dp.plan(layer, costs).meta
+    return meta["trivial_predicted_s"] / meta["predicted_s"]
+
+
+def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
+    """method -> the whole step the simulator predicts for it (`planner.whole_step`), from
+    the profiled table the planned run used: its layer costs and its step extras
+    (embedding, loss, optimizer, finalize, measured with it). Empty for the analytical
+    model or a table without extras."""
+    if not cost_source.endswith(".json"):
+        return {}
+    from dhelix.models.config import load_model_config
+    from dhelix.planner import dp
+    from dhelix.planner.plan import trivial_plan
+    from dhelix.planner.whole_step import simulate_megatron_step, simulate_step
+    layer, costs = layer_costs(a, cfg, cost_source)
+    ex = costs.step_extras
+    if ex is None:
+        return {}
+    L, N = load_model_config(cfg).num_layers, a.num_microbatches
+    return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
+            "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
+            "dhelix-plan": simulate_step(layer, dp.plan(layer, costs), costs, L, N, ex)}
+
+
+def pp_simulate(a, cfg, link, cost_source) -> dict:
+    from dhelix.planner.pipeline import LayerCosts, simulate_pipeline
+    from dhelix.models.config import load_model_config
+    from dhelix.planner import dp
+    tp = a.tensor_model_parallel_size
+    layer, costs = layer_costs(a, cfg, cost_source)
+    lc = LayerCosts.from_plan(layer, dp.plan(layer, costs), costs)
+    m = load_model_config(cfg)
+    G = a.pipeline_model_parallel_size
+    lk = parse_link(link)
+    nbytes = a.seq_length // tp * a.micro_batch_size * m.hidden_size * 4
+    p2p = 0.0 if lk.kind == "none" else \
+        nbytes / (lk.rate_Bps / (2 if lk.kind == "tbf" else 1)) + lk.latency_s
+    return simulate_pipeline(lc, m.num_layers, G, a.num_microbatches, p2p,
+                             vpp_layers=m.num_layers // (2 * G))

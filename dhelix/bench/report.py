@@ -1,0 +1,164 @@
+"""The bench's rows (measured, beside what the simulators predicted) and their outputs:
+the markdown table, the speedup picture, and both again from a finished bench's JSON."""
+from __future__ import annotations
+
+import json
+import statistics
+from typing import List
+
+from dhelix.bench.predict import pp_simulate
+
+METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan", "dhelix-halves")
+PP_METHODS = ("megatron-1f1b", "megatron-interleaved", "dhelix-fold")
+# MoE: the intra-batch peer splits dense layers only; megatron's own fwd∥bwd overlap for
+# MoE (combined 1F1B, --overlap-moe-expert-parallel-comm) needs CUDA streams and events
+EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
+
+
+def step_time(r: dict) -> float:
+    ts = r["step_times_s"][1:] or r["step_times_s"]
+    return statistics.median(ts)
+
+
+def rewrite(json_path: str, out: str) -> None:
+    """Write the .md and .png of a finished bench again from its .json."""
+    with open(json_path) as f:
+        rows = json.load(f)["rows"]
+    pp = rows[0]["method"] in PP_METHODS
+    with open(out + ".md", "w") as f:
+        f.write((pp_markdown(rows) if pp else markdown(rows)) + "\n")
+    if pp:
+        plot(rows, out + ".png", PP_METHODS, "megatron 1F1B")
+    else:
+        plot(rows, out + ".png", [m for m in METHODS if any(r["method"] == m for r in rows)])
+
+
+def rows(cfg, link, res, tr, methods=METHODS, sim_layer=None,
+          predicted=None) -> List[dict]:
+    base = step_time(res["megatron"])
+    triv = step_time(res["dhelix-trivial"])
+    comp, comm = tr["layer_compute_s"], tr["layer_comm_s"]
+    rest = max(triv - comp - comm, 0.0)         # embedding, head, loss, optimizer, glue
+    lower = rest + max(comp, comm)
+    exposed = max(base - (rest + comp), 1e-9)   # the baseline's time beyond compute
+    out = []
+    predicted = predicted or {}
+    for m in methods:
+        t = step_time(res[m])
+        w = predicted.get(m)
+        out.append({
+            "config": cfg, "link": link, "method": m, "step_s": t,
+            "tokens_per_s": res[m]["tokens_per_s"],
+            "speedup": base / t,
+            "peak_activation_bytes": res[m]["peak_memory_bytes"],
+            "memory_vs_baseline": res[m]["peak_memory_bytes"] /
+            res["megatron"]["peak_memory_bytes"],
+            "lower_bound_s": lower, "layer_compute_s": comp, "layer_comm_s": comm,
+            "hidden_share": (base - t) / exposed if m != "megatron" else 0.0,
+            "final_loss": res[m]["losses"][-1],
+            "sim_layer_speedup": sim_layer if m == "dhelix-plan" else None,
+            # the whole step the simulator predicts from the same table, and its error
+            "predicted_step_s": w.total_s if w else None,
+            "prediction_error": (w.total_s - t) / t if w else None,
+            "predicted_breakdown": w.to_json() if w else None,
+        })
+    return out
+
+
+def pp_rows(a, cfg, link, res, cost_source) -> List[dict]:
+    """Pipeline rows: measured, and the pipeline simulator's prediction from the same
+    costs the fold planned with."""
+    sim = pp_simulate(a, cfg, link, cost_source)
+    base = step_time(res["megatron-1f1b"])
+    base_peak = max(res["megatron-1f1b"]["peak_memory_bytes_per_stage"])
+    out = []
+    for m in PP_METHODS:
+        r, t = res[m], step_time(res[m])
+        s = sim.get(m)
+        out.append({
+            "config": cfg, "link": link, "method": m, "step_s": t,
+            "tokens_per_s": r["tokens_per_s"], "speedup": base / t,
+            "peak_activation_bytes_per_stage": r["peak_memory_bytes_per_stage"],
+            "peak_vs_1f1b": max(r["peak_memory_bytes_per_stage"]) / base_peak,
+            "idle_share_per_stage": r["idle_share_per_stage"],
+            "sim_step_s": s.makespan if s else None,
+            "sim_bubble": s.bubble if s else None,
+            "sim_idle_per_stage": ([1 - b / s.makespan for b in s.busy] if s else None),
+            "sim_speedup": sim["megatron-1f1b"].makespan / s.makespan if s else None,
+            "final_loss": r["losses"][-1],
+        })
+    return out
+
+
+def pp_markdown(rows) -> str:
+    lines = ["| model | link | schedule | tokens/s | speedup vs 1F1B (sim.) | step ms (sim.) | "
+             "peak act. per stage MiB | peak vs 1F1B | idle per stage: measured (sim.) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        idle = ", ".join(f"{m * 100:.0f}%" + (f" ({s * 100:.0f}%)" if s is not None else "")
+                         for m, s in zip(r["idle_share_per_stage"],
+                                         r["sim_idle_per_stage"] or [None] * 99))
+        sim_sp = f" ({r['sim_speedup']:.2f}x)" if r["sim_speedup"] else ""
+        sim_t = f" ({r['sim_step_s'] * 1e3:.0f})" if r["sim_step_s"] else ""
+        lines.append(
+            f"| {r['config']} | {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+            f"{r['speedup']:.2f}x{sim_sp} | {r['step_s'] * 1e3:.0f}{sim_t} | "
+            + ", ".join(f"{b / 2**20:.0f}" for b in r["peak_activation_bytes_per_stage"])
+            + f" | {r['peak_vs_1f1b']:.2f}x | {idle} |")
+    return "\n".join(lines)
+
+
+def markdown(rows) -> str:
+    lines = ["| model | link | method | tokens/s | speedup | step ms | predicted ms (error) | "
+             "lower bound ms | compute / comm ms (comm/compute) | exposed comm hidden | "
+             "peak act. vs base | sim. layer |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ratio = r["layer_comm_s"] / max(r["layer_compute_s"], 1e-12)
+        lines.append(
+            f"| {r['config']} | {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+            f"{r['speedup']:.2f}x | {r['step_s'] * 1e3:.0f} | {_predicted(r)} | "
+            f"{r['lower_bound_s'] * 1e3:.0f} | "
+            f"{r['layer_compute_s'] * 1e3:.0f} / {r['layer_comm_s'] * 1e3:.0f} ({ratio:.2f}) | "
+            f"{r['hidden_share'] * 100:.0f}% | {r['memory_vs_baseline']:.2f}x | "
+            f"{_x(r.get('sim_layer_speedup'))} |")
+    return "\n".join(lines)
+
+
+def _predicted(r) -> str:
+    p, e = r.get("predicted_step_s"), r.get("prediction_error")
+    return "-" if p is None else f"{p * 1e3:.0f} ({e * 100:+.0f}%)"
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def plot(rows, path, methods=METHODS, baseline="megatron-core"):
+    """Speedup per link, one panel per model; simulated speedups (pipeline rows) dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({r["config"] for r in rows})
+    fig, axes = plt.subplots(1, len(configs), figsize=(5.5 * len(configs), 4), squeeze=False)
+    for ax, cfg in zip(axes[0], configs):
+        links = list(dict.fromkeys(r["link"] for r in rows if r["config"] == cfg))
+        xs = list(range(len(links)))
+        for k, m in enumerate(methods):
+            sel = [next(r for r in rows if r["config"] == cfg and r["link"] == l and
+                        r["method"] == m) for l in links]
+            ax.plot(xs, [r["speedup"] for r in sel], marker="o", color=f"C{k}", label=m)
+            if any(r.get("sim_speedup") for r in sel):
+                ax.plot(xs, [r.get("sim_speedup") or float("nan") for r in sel],
+                        linestyle="--", color=f"C{k}", label=f"{m} (simulated)")
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(links)
+        ax.set_xlabel("link rate")
+        ax.set_ylabel(f"speedup over {baseline}")
+        ax.set_title(cfg)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
