@@ -63,3 +63,26 @@ def test_cluster_by_name_or_path():
     with pytest.raises(DHelixArgError, match=r"--dhelix-cluster: cluster file 'nope' not "
                                              r"found; .*a40, a800, h100"):
         check_dhelix_args(_args("--dhelix", "--dhelix-cluster", "nope"))
+
+
+def test_halves_checked_before_training():
+    """`--dhelix-halves` in pretrain_gpt.py's arguments: an odd micro-batch, experts, CP or
+    the fold are refused before any rank trains; without --dhelix it is refused too."""
+    import pytest
+    from dhelix.megatron.args import DHelixArgError, check_dhelix_args
+
+    def args(*argv, **extra):
+        a = _args(*argv)
+        for k, v in extra.items():
+            setattr(a, k, v)
+        return a
+    check_dhelix_args(args("--dhelix", "--dhelix-halves", micro_batch_size=2))
+    with pytest.raises(DHelixArgError, match="--micro-batch-size must be even"):
+        check_dhelix_args(args("--dhelix", "--dhelix-halves", micro_batch_size=3))
+    with pytest.raises(DHelixArgError, match="not built with --num-experts"):
+        check_dhelix_args(args("--dhelix", "--dhelix-halves", micro_batch_size=2, num_experts=4))
+    with pytest.raises(DHelixArgError, match="not built with --context-parallel-size"):
+        check_dhelix_args(args("--dhelix", "--dhelix-halves", micro_batch_size=2,
+                               context_parallel_size=2))
+    with pytest.raises(DHelixArgError, match="--dhelix-halves needs --dhelix"):
+        check_dhelix_args(args("--dhelix-halves"))

@@ -105,9 +105,18 @@ def check_dhelix_args(args) -> None:
     if fold and pp == 1:
         raise DHelixArgError("--dhelix-fold folds the layers over pipeline stages: give "
                              "--pipeline-model-parallel-size 2 or more")
-    if fold and getattr(args, "dhelix_halves", False):
-        raise DHelixArgError("--dhelix-halves with --dhelix-fold: the fold's steps without a "
-                             "partner are not split yet; drop one of them")
+    if getattr(args, "dhelix_halves", False):
+        mbs = getattr(args, "micro_batch_size", None)
+        bad = [flag for flag, yes in (
+            ("--dhelix-fold", fold), ("--num-experts", bool(getattr(args, "num_experts", None))),
+            ("--context-parallel-size > 1", (getattr(args, "context_parallel_size", 1) or 1) > 1))
+            if yes]
+        if bad:
+            raise DHelixArgError(f"--dhelix-halves splits the dense layers of F(1) and B(N) "
+                                 f"(TP/SP/DP); not built with {', '.join(bad)}")
+        if mbs is not None and mbs % 2:
+            raise DHelixArgError(f"--dhelix-halves splits the micro-batches of F(1) and B(N) "
+                                 f"in 2: --micro-batch-size must be even (got {mbs})")
     if pp > 1 and not fold:
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
                              "U-folded pipeline: add --dhelix-fold")
