@@ -49,6 +49,22 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="checked against the world size; inferred when omitted")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="megatron DDP: reduce grad buckets during the backward")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="megatron's distributed optimizer: fp32 master weights and Adam "
+                        "state sharded over DP, grads reduce-scattered, params all-gathered")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: all-gather each parameter "
+                        "bucket during the next forward, not after the optimizer step")
+    g = p.add_argument_group("activation recomputation (megatron's)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: recompute whole layers in the backward; selective: the "
+                        "attention core only")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="with full: uniform (every --recompute-num-layers layers as one "
+                        "checkpoint) or block (the first --recompute-num-layers layers of "
+                        "each stage)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, metavar="N",
+                   help="with full: layers per checkpoint (uniform) or recomputed (block)")
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=20,
                    help="training steps (default: %(default)s)")
@@ -60,6 +76,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="AdamW weight decay (default: %(default)s)")
     g.add_argument("--clip-grad", type=float, default=0.0,
                    help="clip the gradient norm to this; 0 = off (default: %(default)s)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="(default: %(default)s)")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="(default: %(default)s)")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="(default: %(default)s)")
     g.add_argument("--log-interval", type=int, default=1,
                    help="print every N steps (default: %(default)s)")
     g.add_argument("--json", default=None, help="write config, losses, tokens/s, peak memory")
@@ -93,6 +112,11 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         layer_spec=a.layer_spec,
         lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad, data=data,
         data_path=a.data_path, overlap_grad_reduce=a.overlap_grad_reduce,
+        use_distributed_optimizer=a.use_distributed_optimizer,
+        overlap_param_gather=a.overlap_param_gather, adam_beta1=a.adam_beta1,
+        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
+        recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
+        recompute_num_layers=a.recompute_num_layers,
         eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json,
         checksums=a.checksums, dhelix=dh, default_microbatches=DEFAULT_MICROBATCHES)
 

@@ -38,6 +38,14 @@ class TrainConfig:
     data: str = "corpus"                         # synthetic | corpus | indexed
     data_path: Optional[str] = None
     overlap_grad_reduce: bool = False
+    use_distributed_optimizer: bool = False      # megatron's: optimizer state sharded over DP
+    overlap_param_gather: bool = False           # with it: all-gather params in the forward
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    recompute_granularity: Optional[str] = None  # full | selective (megatron's)
+    recompute_method: Optional[str] = None       # uniform | block (with full)
+    recompute_num_layers: Optional[int] = None
     eval_iters: int = 0
     log_interval: int = 1
     json: Optional[str] = None
@@ -169,7 +177,12 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     etp = cfg.expert_tensor_parallel_size or tp
     if m.num_experts and etp not in (1, tp):
         raise ConfigError(f"--expert-tensor-parallel-size {etp}: give 1 or the TP size {tp}")
-    return Layout(world, tp, dp, nmb, pp, vpp, fold_layers, ep, etp, cp)
+    layout = Layout(world, tp, dp, nmb, pp, vpp, fold_layers, ep, etp, cp)
+    from dhelix.train.optim import check_optimizer
+    from dhelix.train.recompute import check_recompute
+    check_optimizer(cfg, layout)
+    check_recompute(cfg, m, layout)
+    return layout
 
 
 def _check_context_parallel(cfg: TrainConfig, m: ModelConfig, cp: int) -> None:
