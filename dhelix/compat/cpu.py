@@ -8,9 +8,15 @@ Applied only when CUDA is absent, by `apply()`; nothing else in DHelix patches m
       synchronized, as on CUDA (`_D2HEvent`).
   (g) the MoE router's GEMM without Transformer Engine (`_moe_router_without_te`).
   (h) context parallel: the RoPE table's slice for this CP rank (`_cp_rope_slice_on_host`).
+  (i) megatron's optimizers check at construction that every parameter is a
+      `torch.cuda.*Tensor` (`param.type()`): `cuda_type_names()` answers so for CPU
+      tensors while one is built (`train/optim.py`).
   (d) the model-parallel RNG tracker keeps CUDA generator states: a tracker with the same
       interface keeps CPU generator states instead, seeded by
       `model_parallel_cuda_manual_seed` as usual.
+  (i) activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA
+      generator's state beside the CPU one and the tracker's: there is none on CPU
+      (`_no_cuda_rng_state`).
 """
 from __future__ import annotations
 
@@ -38,6 +44,10 @@ _BUFFER_MODULES = (
     "megatron.core.transformer.moe.token_dispatcher",   # (f) its side stream, below
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.router",
+    "megatron.core.optimizer.optimizer",          # (i) the optimizer's flags and norms
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.grad_scaler",
 )
 
 
@@ -258,6 +268,40 @@ def _cp_rope_slice_on_host() -> None:
         mod.get_pos_emb_on_this_cp_rank = on_this_cp_rank
 
 
+_CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor",
+              "torch.HalfTensor": "torch.cuda.HalfTensor",
+              "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """(i) While megatron builds an optimizer on CPU: `t.type()` of a CPU float tensor
+    names its CUDA type, the only kind megatron's optimizers wrap. Nothing on CUDA."""
+    if torch.cuda.is_available():
+        yield
+        return
+    real = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        name = real(self, *args, **kwargs)
+        return _CUDA_TYPE.get(name, name) if not args and not kwargs else name
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = real
+
+
+def _no_cuda_rng_state() -> None:
+    """(i) megatron's checkpoint (`_get_all_rng_states` / `_set_all_rng_states`, used by
+    full and selective recompute) reads and sets the CUDA generator's state; on CPU there
+    is no such generator: its state is None and setting it does nothing. The CPU
+    generator's state and the tracker's (CPU states, (d)) are still saved and restored."""
+    from megatron.core.tensor_parallel import random as mrandom
+    mrandom._get_cuda_rng_state = lambda *a, **k: None
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
 def apply() -> bool:
     """Patch megatron for CPU if CUDA is absent. Returns True if patches are in place.
     (g) is a megatron-core bug on any device without Transformer Engine: fixed always."""
@@ -284,6 +328,7 @@ def apply() -> bool:
     _cpu_embedding_sync()
     _moe_split_sizes_on_host()
     _cp_rope_slice_on_host()
+    _no_cuda_rng_state()
     _APPLIED = True
     return True
 

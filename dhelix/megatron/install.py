@@ -36,13 +36,13 @@ def install(args) -> bool:
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
-    from dhelix.schedules.dhelix import DHelixSchedule, forward_backward_dhelix
+    from dhelix.schedules.dhelix import DHelixSchedule
     from dhelix.strand.layer import DHelixLayer
 
     schedule = DHelixSchedule(dhelix_options(args))
 
     def get_forward_backward_func(*a, **k):
-        return functools.partial(forward_backward_dhelix, schedule=schedule)
+        return functools.partial(_guarded, schedule=schedule)
 
     targets = [pipeline_parallel, schedules]
     training = sys.modules.get("megatron.training.training")
@@ -55,6 +55,15 @@ def install(args) -> bool:
             mod.get_forward_backward_func = get_forward_backward_func
     _install_spec(args, DHelixLayer)
     return True
+
+
+def _guarded(*args, schedule, **kwargs):
+    """DHelix's forward-backward, after the --overlap-param-gather wait is on every DHelix
+    layer of the model (once; `megatron/param_gather.py`)."""
+    from dhelix.megatron.param_gather import guard_param_gather
+    from dhelix.schedules.dhelix import forward_backward_dhelix
+    guard_param_gather(kwargs.get("model"))
+    return forward_backward_dhelix(*args, schedule=schedule, **kwargs)
 
 
 def _install_spec(args, layer_module) -> None:

@@ -14,7 +14,7 @@ its own modules or the trainer's own function:
   hands it over); backward: autograd from the loss (megatron DDP's grad hooks included);
 * grad finalize: megatron's `finalize_model_grads`, as the trainer configures it (the
   layernorm grads' all-reduce under SP, the DP reduction over the ranks profiled);
-* optimizer: the trainer's `MasterAdamW.step` over every parameter of the rank's model;
+* optimizer: the trainer's optimizer step (megatron-core's, `train/optim.py`) over the rank's model;
 * zero grad: DDP's `zero_grad_buffer`, which starts every step.
 
 Each piece runs after a barrier, repeated; the median of each is kept, slowest rank.
@@ -55,7 +55,8 @@ class StepPieces:
         from dhelix.strand.layer import DHelixLayer
         from dhelix.train.build import build
         from dhelix.train.config import check_layout
-        from dhelix.train.trainer import MasterAdamW, setup_megatron
+        from dhelix.train.optim import build_optimizer
+        from dhelix.train.trainer import setup_megatron
         world = dist.get_world_size()
         self.layout = check_layout(cfg, m, world)
         self.tconfig = setup_megatron(cfg, m, self.layout)
@@ -63,8 +64,7 @@ class StepPieces:
         self.chunk = built.chunks[0]
         self.gpt = self.chunk.module
         self.num_layers = len(self.gpt.decoder.layers)
-        params = list({id(p): p for p in self.chunk.parameters()}.values())
-        self.optimizer = MasterAdamW(params, cfg.lr, cfg.weight_decay, cfg.clip_grad)
+        self.optimizer = build_optimizer(cfg, built.chunks, cfg.bf16)
         self.device = device
         # one micro-batch on this rank: with CP, its share of every sequence
         s = cfg.seq_length // self.layout.cp

@@ -85,8 +85,11 @@ def build(cfg, m, tconfig, layout, device, layer_module=None,
         loss_stage = layout.pp - 1
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.overlap_grad_reduce,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        overlap_param_gather=cfg.overlap_param_gather,
         bucket_size=None if not cfg.overlap_grad_reduce else 40000)
+    if cfg.bf16:        # every parameter in bf16, norms too, as megatron's Float16Module
+        modules = [mod.bfloat16() for mod in modules]
     chunks = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config,
                                       module=mod.to(device)) for mod in modules]
     tconfig.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else \

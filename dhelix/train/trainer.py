@@ -2,7 +2,7 @@
 
 The step is Megatron's: its DDP wrapper, its forward-backward schedule function (or
 DHelix's, with --dhelix), `finalize_model_grads`, then an AdamW step on fp32 master
-weights. Only the rank-0 process prints.
+weights (megatron-core's optimizer, `train/optim.py`). Only the rank-0 process prints.
 """
 from __future__ import annotations
 
@@ -44,31 +44,6 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator)
     out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return out, partial(loss_func, batch["loss_mask"])
-
-
-class MasterAdamW:
-    """AdamW on fp32 master copies of the parameters, reading megatron DDP's main_grad."""
-
-    def __init__(self, params, lr, weight_decay, clip_grad):
-        self.params = [p for p in params if p.requires_grad]
-        self.master = [p.detach().float().clone() for p in self.params]
-        for m in self.master:
-            m.requires_grad_(True)
-        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay)
-        self.clip_grad = clip_grad
-
-    def step(self):
-        for p, m in zip(self.params, self.master):
-            g = getattr(p, "main_grad", None)
-            if g is None:
-                g = p.grad
-            m.grad = None if g is None else g.float()
-        if self.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad)
-        self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                p.copy_(m)
 
 
 def setup_megatron(cfg: TrainConfig, m: ModelConfig, layout: Layout):
@@ -148,9 +123,12 @@ def train(cfg: TrainConfig) -> dict:
         from dhelix.train.checkpoint import load
         load(chunks, cfg.load, layout.tp)
     schedule.prepare(chunks, tconfig)
+    if schedule.name != "megatron":     # DHelix's ops read weights past megatron's hooks
+        from dhelix.megatron.param_gather import guard_param_gather
+        guard_param_gather(chunks)
     schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
-    params = list({id(p): p for c in chunks for p in c.parameters()}.values())
-    optimizer = MasterAdamW(params, cfg.lr, cfg.weight_decay, cfg.clip_grad)
+    from dhelix.train.optim import build_optimizer
+    optimizer = build_optimizer(cfg, chunks, cfg.bf16)
     dp_rank = parallel_state.get_data_parallel_rank()
 
     def stream():
@@ -185,6 +163,7 @@ def train(cfg: TrainConfig) -> dict:
         t0, c0 = time.perf_counter(), time.thread_time()
         for c in chunks:
             c.zero_grad_buffer()
+        optimizer.zero_grad()
         memory.begin()          # what this step's forward-backward adds to what lives on
         with METER.autograd():
             out = schedule.forward_backward(
@@ -194,7 +173,10 @@ def train(cfg: TrainConfig) -> dict:
         act_peaks.append(memory.activation_peak())   # before the optimizer's temporaries
         if cfg.checksums:
             grad_sums.append(checksums(chunks, "main_grad"))
-        optimizer.step()
+        ok, _grad_norm, _ = optimizer.step()
+        if not ok:
+            raise FloatingPointError(f"the optimizer skipped iteration {it + 1} (a non-finite "
+                                     f"gradient)")
         total_peaks.append(memory.total_peak())
         loss = _average_loss([o["lm loss"].item() for o in out], info.device, loss_rank)
         dt = time.perf_counter() - t0
