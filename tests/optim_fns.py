@@ -82,3 +82,22 @@ def layers_guarded(**kw):
     tconfig = setup_megatron(cfg, m, layout)
     built = build(cfg, m, tconfig, layout, torch.device("cpu"), DHelixLayer)
     return guard_param_gather(built.chunks), guard_param_gather(built.chunks)
+
+
+def param_group_decay(**kw):
+    """(name, weight decay of its param group) for every parameter, after the scheduler
+    set them; megatron's standard groups leave biases and 1-D parameters undecayed."""
+    from dhelix.strand.layer import DHelixLayer
+    from dhelix.train.build import build
+    from dhelix.train.config import check_layout, model_of
+    from dhelix.train.optim import build_optimizer
+    from dhelix.train.trainer import setup_megatron
+    import torch.distributed as dist
+    cfg = TrainConfig(**kw)
+    m = model_of(cfg)
+    layout = check_layout(cfg, m, dist.get_world_size())
+    tconfig = setup_megatron(cfg, m, layout)
+    built = build(cfg, m, tconfig, layout, torch.device("cpu"), DHelixLayer)
+    opt = build_optimizer(cfg, built.chunks, cfg.bf16)
+    decay = {id(p): g["weight_decay"] for g in opt.optimizer.param_groups for p in g["params"]}
+    return {n: (tuple(p.shape), decay[id(p)]) for n, p in built.chunks[0].named_parameters()}

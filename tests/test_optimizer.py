@@ -79,3 +79,21 @@ def test_bf16_dhelix_matches_megatron():
     dh = run_ranks(train_result, 2, timeout=600, dhelix={"enabled": True}, **kw)
     assert same_runs(dh, base) == 0.0
     assert base[0]["losses"][-1] < base[0]["losses"][0]
+
+
+def test_megatron_parameter_groups_and_schedule():
+    """Megatron-LM's standard groups: weight decay on matrices, none on biases and norms;
+    the learning rate follows megatron's scheduler (linear warmup, then cosine to
+    --min-lr over --train-iters), one value per step in the result."""
+    from optim_fns import param_group_decay
+    groups = run_ranks(param_group_decay, 1, timeout=300, config="tiny", weight_decay=0.1)[0]
+    assert any(n.endswith(".bias") for n in groups)
+    for name, (shape, wd) in groups.items():
+        want = 0.0 if len(shape) == 1 or name.endswith(".bias") else 0.1
+        assert wd == want, (name, shape, wd)
+    r = run_ranks(train_result, 1, timeout=300, config="tiny", train_iters=6, lr=1e-3,
+                  min_lr=1e-4, lr_warmup_iters=2, lr_decay_style="cosine")[0]
+    import math
+    want = [0.0, 5e-4] + [1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * (i - 2) / 4))
+                          for i in range(2, 6)]
+    assert same_numbers(r["learning_rates"], want, 1e-12, "learning rates") <= 1e-12

@@ -70,7 +70,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="training steps (default: %(default)s)")
     g.add_argument("--eval-iters", type=int, default=0,
                    help="evaluation steps after training (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate "
+    g.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate "
                                                          "(default: %(default)s)")
     g.add_argument("--weight-decay", type=float, default=0.0,
                    help="AdamW weight decay (default: %(default)s)")
@@ -79,6 +79,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9, help="(default: %(default)s)")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="(default: %(default)s)")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="(default: %(default)s)")
+    g.add_argument("--lr-decay-style", default="constant",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"],
+                   help="megatron's learning-rate schedule (default: %(default)s)")
+    g.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="linear warmup from 0 to --lr (default: %(default)s)")
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="iterations to decay over (default: --train-iters)")
+    g.add_argument("--min-lr", type=float, default=0.0,
+                   help="where the decay ends (default: %(default)s)")
     g.add_argument("--log-interval", type=int, default=1,
                    help="print every N steps (default: %(default)s)")
     g.add_argument("--json", default=None, help="write config, losses, tokens/s, peak memory")
@@ -114,7 +123,8 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         data_path=a.data_path, overlap_grad_reduce=a.overlap_grad_reduce,
         use_distributed_optimizer=a.use_distributed_optimizer,
         overlap_param_gather=a.overlap_param_gather, adam_beta1=a.adam_beta1,
-        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps,
+        adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, lr_decay_style=a.lr_decay_style,
+        lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters, min_lr=a.min_lr,
         recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers,
         eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json,

@@ -43,6 +43,10 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    min_lr: float = 0.0
+    lr_decay_style: str = "constant"             # megatron's: constant | linear | cosine | ...
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None         # default: --train-iters
     recompute_granularity: Optional[str] = None  # full | selective (megatron's)
     recompute_method: Optional[str] = None       # uniform | block (with full)
     recompute_num_layers: Optional[int] = None
@@ -202,7 +206,8 @@ def _check_context_parallel(cfg: TrainConfig, m: ModelConfig, cp: int) -> None:
                       ("--dhelix-peer", bool(cfg.dhelix.get("peer")))):
         if bad:
             raise ConfigError(f"--context-parallel-size {cp} with {flag}: not built yet "
-                              f"(context parallel runs with TP, SP and DP)")
+                              f"(context parallel runs with TP, SP, DP and PP: megatron's "
+                              f"1F1B, its interleaved schedule and the fold)")
 
 
 def _check_experts(cfg: TrainConfig, m: ModelConfig, dp: int) -> int:

@@ -1,9 +1,12 @@
 """The optimizer of `dhelix train`: megatron-core's (`get_megatron_optimizer`), Adam on
 fp32 master weights, with megatron's flags: --use-distributed-optimizer (state sharded
-over DP), --overlap-param-gather, --clip-grad, --weight-decay, --adam-beta1/2/eps."""
+over DP), --overlap-param-gather, --clip-grad, --weight-decay, --adam-beta1/2/eps, and
+megatron-core's learning-rate scheduler."""
 from __future__ import annotations
 
 from dhelix.models.config import ConfigError
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 def check_optimizer(cfg, layout) -> None:
@@ -23,28 +26,64 @@ def check_optimizer(cfg, layout) -> None:
             raise ConfigError(f"{flag} {v}: must be in [0, 1)")
     if cfg.weight_decay < 0 or cfg.clip_grad < 0:
         raise ConfigError("--weight-decay and --clip-grad must be >= 0")
+    if not 0 <= cfg.min_lr <= cfg.lr:
+        raise ConfigError(f"--min-lr {cfg.min_lr}: must be in [0, --lr {cfg.lr}]")
+    if cfg.lr_warmup_iters < 0 or (cfg.lr_decay_iters is not None and cfg.lr_decay_iters < 1):
+        raise ConfigError("--lr-warmup-iters must be >= 0 and --lr-decay-iters >= 1")
+    if cfg.lr_decay_style not in LR_DECAY_STYLES:
+        raise ConfigError(f"--lr-decay-style {cfg.lr_decay_style}: one of "
+                          f"{', '.join(LR_DECAY_STYLES)}")
 
 
-def build_optimizer(cfg, chunks, bf16: bool):
-    """megatron-core's optimizer over the DDP-wrapped chunks (a constant learning rate:
-    `dhelix train` has no scheduler). Weight decay as megatron applies it: not to biases
-    and norms (1-D parameters)."""
+class TrainOptimizer:
+    """megatron-core's optimizer and its learning-rate scheduler, stepped as Megatron-LM's
+    train_step steps them: the scheduler advances only after a step that was applied."""
+
+    def __init__(self, optimizer, scheduler):
+        self.optimizer, self.scheduler = optimizer, scheduler
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def step(self):
+        """(applied, grad norm); the grad norm is None without --clip-grad."""
+        from dhelix.compat.cpu import cuda_type_names
+        with cuda_type_names():       # megatron's grad-norm code checks the type too, on CPU
+            ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        return ok, grad_norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+def build_optimizer(cfg, chunks, bf16: bool) -> TrainOptimizer:
+    """megatron-core's Adam over the DDP-wrapped chunks, with Megatron-LM's standard
+    parameter groups (no weight decay on biases and 1-D parameters) and its scheduler in
+    iterations (--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr)."""
     import torch
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import (OptimizerConfig, get_megatron_optimizer,
+                                         get_standard_config_overrides)
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from dhelix.compat.cpu import cuda_type_names
     config = OptimizerConfig(
-        optimizer="adam", lr=cfg.lr, min_lr=cfg.lr, weight_decay=cfg.weight_decay,
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
         clip_grad=cfg.clip_grad, bf16=bf16, fp16=False,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         overlap_param_gather=cfg.overlap_param_gather)
-    from dhelix.compat.cpu import cuda_type_names
     with cuda_type_names():
-        optimizer = get_megatron_optimizer(config, list(chunks))
-    step = optimizer.step
-
-    def step_checked():     # megatron's grad-norm code checks the type too, on CPU
-        with cuda_type_names():
-            return step()
-    optimizer.step = step_checked
-    return optimizer
+        optimizer = get_megatron_optimizer(config, list(chunks),
+                                           get_standard_config_overrides(config))
+    decay = cfg.lr_decay_iters or max(cfg.train_iters, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr,
+        min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
+        lr_decay_steps=max(decay, cfg.lr_warmup_iters + 1), lr_decay_style=cfg.lr_decay_style,
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay,
+        wd_incr_style="constant")
+    return TrainOptimizer(optimizer, scheduler)

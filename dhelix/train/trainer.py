@@ -156,6 +156,7 @@ def train(cfg: TrainConfig) -> dict:
     losses, times, grad_sums, idle = [], [], [], []
     memory = StepMemory(info.device)
     act_peaks, total_peaks = [], []      # per iteration, bytes
+    lrs, grad_norms = [], []
     from dhelix.train.dist import report_progress
     started = time.perf_counter()
     for it in range(cfg.train_iters):
@@ -173,7 +174,10 @@ def train(cfg: TrainConfig) -> dict:
         act_peaks.append(memory.activation_peak())   # before the optimizer's temporaries
         if cfg.checksums:
             grad_sums.append(checksums(chunks, "main_grad"))
-        ok, _grad_norm, _ = optimizer.step()
+        lr = optimizer.lr                  # the rate this step applies
+        ok, grad_norm = optimizer.step()
+        lrs.append(lr)
+        grad_norms.append(grad_norm)
         if not ok:
             raise FloatingPointError(f"the optimizer skipped iteration {it + 1} (a non-finite "
                                      f"gradient)")
@@ -190,7 +194,8 @@ def train(cfg: TrainConfig) -> dict:
         if rank0 and (it + 1) % cfg.log_interval == 0:
             print(f" iter {it + 1:4d}/{cfg.train_iters} | loss {loss:.6f} | "
                   f"{tokens_per_step / dt:9.0f} tokens/s | {dt * 1000:7.1f} ms | "
-                  f"peak act. {act_peaks[-1] / 2**20:.2f} MiB | "
+                  f"peak act. {act_peaks[-1] / 2**20:.2f} MiB | lr {lr:.3e} | "
+                  f"{f'grad norm {grad_norm:.3f} | ' if grad_norm is not None else ''}"
                   f"{progress_clock(time.perf_counter() - started, times, cfg.train_iters)}",
                   flush=True)
     eval_loss = None
@@ -229,6 +234,8 @@ def train(cfg: TrainConfig) -> dict:
                    "pipeline_stages": layout.pp, "virtual_chunks": layout.vpp,
                    "backend": info.backend, "schedule": schedule.name},
         "losses": losses,
+        "learning_rates": lrs,
+        "grad_norms": grad_norms,        # None without --clip-grad (megatron computes none)
         "eval_loss": eval_loss,
         "step_times_s": times,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
