@@ -1,4 +1,5 @@
 """Per-rank bodies of the tests against Megatron-LM's real training code."""
+import contextlib
 import os
 import sys
 
@@ -75,7 +76,7 @@ def checksums(model, attr):
     return out
 
 
-def train_real(argv, dhelix, steps=3):
+def train_real(argv, dhelix, steps=3, delay_gather=False):
     """Build the model with Megatron-LM's model_provider and gpt_builder (after the
     install hook when `dhelix`), wrap it in megatron DDP, and run `steps` iterations of
     the forward-backward function Megatron-LM's train_step would get from
@@ -83,7 +84,9 @@ def train_real(argv, dhelix, steps=3):
     Returns, besides what was built: `losses` (per step, each micro-batch's loss over this
     rank's tokens), `loss_sums` (per step, each micro-batch's [loss sum, tokens]),
     `grad_checksums` (per step, `checksums(model, "main_grad")` after the reduction) and
-    `weight_checksums` (the final weights)."""
+    `weight_checksums` (the final weights). With --use-distributed-optimizer the step is
+    Megatron-LM's own optimizer's (instead of a fixed SGD step); `delay_gather` delays
+    every overlapped parameter all-gather until it is waited for (optim_fns.DelayedGather)."""
     from functools import partial
 
     args = init_megatron(argv + (["--dhelix"] if dhelix else []))
@@ -110,12 +113,24 @@ def train_real(argv, dhelix, steps=3):
         state_keys = sorted(k for k in model.state_dict() if not k.endswith("_extra_state"))
         config = model.config
         model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True), module=model)
+            grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather), module=model)
         config.no_sync_func = model.no_sync
         config.finalize_model_grads_func = finalize_model_grads
         fb = training.get_forward_backward_func()
         schedule = getattr(getattr(fb, "func", fb), "__name__", str(fb))
         opt = torch.optim.SGD(model.parameters(), lr=0.0)    # grads only; see below
+        if args.use_distributed_optimizer:      # Megatron-LM's own optimizer, as it builds it
+            from megatron.core.optimizer import get_megatron_optimizer
+            from dhelix.compat.cpu import cuda_type_names
+            ocfg, overrides = training.get_megatron_optimizer_config(args)
+            with cuda_type_names():
+                opt = get_megatron_optimizer(ocfg, [model], overrides)
+        delayed = contextlib.nullcontext()
+        if delay_gather:
+            from optim_fns import DelayedGather
+            delayed = DelayedGather()
 
         g = torch.Generator().manual_seed(7)
         nmb = args.global_batch_size // args.micro_batch_size
@@ -144,13 +159,20 @@ def train_real(argv, dhelix, steps=3):
             rerun = get_rerun_state_machine()
             while rerun.should_run_forward_backward(it_data):
                 model.zero_grad_buffer()
-                out = fb(forward_step_func=forward_step, data_iterator=it_data,
-                         model=[model], num_microbatches=nmb, seq_length=args.seq_length,
-                         micro_batch_size=args.micro_batch_size, forward_only=False)
+                opt.zero_grad()
+                with delayed:
+                    out = fb(forward_step_func=forward_step, data_iterator=it_data,
+                             model=[model], num_microbatches=nmb,
+                             seq_length=args.seq_length,
+                             micro_batch_size=args.micro_batch_size, forward_only=False)
             losses.append([float(o["lm loss"][0] / o["lm loss"][1]) if o["lm loss"].numel() == 2
                            else float(o["lm loss"]) for o in out])
             sums.append([[float(x) for x in o["lm loss"]] for o in out])
             grad_sums.append(checksums(model, "main_grad"))
+            if args.use_distributed_optimizer:
+                with cuda_type_names():
+                    assert opt.step()[0]
+                continue
             # a fixed SGD step on megatron's main grads, so later steps see new weights
             with torch.no_grad():
                 for p in model.parameters():
@@ -163,4 +185,4 @@ def train_real(argv, dhelix, steps=3):
             "losses": losses, "loss_sums": sums, "grad_checksums": grad_sums,
             "weight_checksums": weight_sums,
             "params": len(list(model.parameters())), "core_attention": cores,
-            "state_keys": state_keys}
+            "state_keys": state_keys, "delayed_gathers": getattr(delayed, "delayed", 0)}

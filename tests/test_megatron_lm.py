@@ -134,3 +134,21 @@ def test_wrapper_reaches_megatron_pretrain():
                        cwd=root, env=dict(env, MEGATRON_LM=""), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and "--megatron-lm PATH (or MEGATRON_LM)" in r.stderr
+
+
+def test_real_megatron_lm_distributed_optimizer_with_a_delayed_gather():
+    """DP=2 on 2 ranks, Megatron-LM's own optimizer as its training builds it
+    (`get_megatron_optimizer_config`), --use-distributed-optimizer --overlap-grad-reduce
+    --overlap-param-gather: --dhelix, with every parameter all-gather delayed until it is
+    waited for (the other rank's half NaN until then), against --dhelix-sdpa-baseline
+    undelayed, bit for bit (`_same_real_runs`): the install hook's forward-backward puts
+    DHelix's wait on every DHelix layer (dhelix/megatron/param_gather.py)."""
+    argv = fns.SMALL + ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                        "--overlap-param-gather"]
+    base = run_ranks(fns.train_real, 2, argv + ["--dhelix-sdpa-baseline"], False,
+                     timeout=400)
+    dh = run_ranks(fns.train_real, 2, argv, True, delay_gather=True, timeout=400)
+    assert dh[0]["schedule"] == "forward_backward_dhelix"
+    assert dh[0]["layers"] == ["DHelixLayer"] * 2
+    assert all(r["delayed_gathers"] >= 3 for r in dh)     # one or more a step, delayed
+    _same_real_runs(dh, base)

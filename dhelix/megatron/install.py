@@ -36,13 +36,14 @@ def install(args) -> bool:
     from megatron.core import pipeline_parallel
     from megatron.core.pipeline_parallel import schedules
 
-    from dhelix.schedules.dhelix import DHelixSchedule
+    from dhelix.schedules.dhelix import DHelixSchedule, forward_backward_dhelix
     from dhelix.strand.layer import DHelixLayer
 
     schedule = DHelixSchedule(dhelix_options(args))
 
     def get_forward_backward_func(*a, **k):
-        return functools.partial(_guarded, schedule=schedule)
+        return functools.partial(functools.wraps(forward_backward_dhelix)(_guarded),
+                                 schedule=schedule)
 
     targets = [pipeline_parallel, schedules]
     training = sys.modules.get("megatron.training.training")
