@@ -31,9 +31,10 @@ def unbalanced_moe_layer():
             "x_grad": float(x.grad.abs().sum())}
 
 
-def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2, shared=None, load=True):
-    """megatron's MoE TransformerLayer and the DHelix layer (another seed), with
-    megatron's weights loaded into it unless `load` is False."""
+def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2, shared=None, load=True,
+                    model="tiny-moe"):
+    """megatron's MoE TransformerLayer and the DHelix layer (another seed) of model
+    config `model`, with megatron's weights loaded into it unless `load` is False."""
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -53,7 +54,7 @@ def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2, shared=None, load=True):
                                              expert_tensor_parallel_size=1)
     model_parallel_cuda_manual_seed(seed)
     import dataclasses
-    m = dataclasses.replace(load_model_config("tiny-moe"),
+    m = dataclasses.replace(load_model_config(model),
                             moe_shared_expert_intermediate_size=shared)
     cfg = transformer_config(m, tp=tp, sequence_parallel=tp > 1, ep=ep, etp=1)
     torch.manual_seed(seed)
@@ -68,30 +69,44 @@ def setup_moe_layer(tp=1, ep=2, seed=11, seq=16, mbs=2, shared=None, load=True):
 
 
 def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=False,
-                      shared=None, tol=0.0):
+                      shared=None, tol=0.0, model="tiny-moe"):
     """The DHelix MoE layer under the trivial, paired and `plans` random legal plans vs
     megatron's MoE layer on this rank (`compare.same_tensors` within `tol`, 0.0 = bit for
     bit): α's output, β's input grad, every parameter grad, none missing or extra. Before
     that: a fresh DHelix MoE layer has megatron's state-dict keys and shapes and sharded
     keys. With `zero_router` every token ties and goes to the same two experts (one EP
-    rank). Raises `compare.Mismatch` naming the plan."""
+    rank). A model with biases (add_bias_linear) gets random ones, as megatron
+    initialises them to zero; `bias_grads` counts the experts' bias grads compared.
+    Raises `compare.Mismatch` naming the plan."""
     import torch
     from compare import Mismatch, same_tensors
     from layer_fns import dhelix_step, inputs, named_plans, reference, tensors_of
 
     ref, dh, cfg, rope = setup_moe_layer(tp, ep, seq=seq, mbs=mbs, shared=shared,
-                                         load=False)
+                                         load=False, model=model)
     shapes = lambda m: {k: torch.zeros(v.shape) for k, v in  # noqa: E731
                         tensors_of(m.state_dict()).items()}
     same_tensors(shapes(dh), shapes(ref), 0.0, "fresh DHelix vs megatron MoE state dict:")
     if sorted(ref.sharded_state_dict()) != sorted(dh.sharded_state_dict()):
         raise Mismatch("sharded-state-dict keys differ: " + str(sorted(
             set(ref.sharded_state_dict()) ^ set(dh.sharded_state_dict()))))
+    if cfg.add_bias_linear:
+        # replicated biases (linear_proj's over TP) alike on every rank; each EP rank's
+        # experts their own
+        same = torch.Generator().manual_seed(seed + 100)
+        own = torch.Generator().manual_seed(seed + 200 + torch.distributed.get_rank())
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                if n.endswith(".bias"):
+                    gen = own if "local_experts" in n else same
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     dh.load_state_dict(ref.state_dict(), strict=True)
     if zero_router:
         with torch.no_grad():
             for layer in (ref, dh):
                 layer.mlp.router.weight.zero_()
+                if layer.mlp.router.bias is not None:      # add_bias_linear
+                    layer.mlp.router.bias.zero_()
     sp = tp > 1
     x_a, x_b = inputs(cfg, seq, mbs, seed, sp), inputs(cfg, seq, mbs, seed + 1, sp)
     g_b = inputs(cfg, seq, mbs, seed + 2, sp)
@@ -108,6 +123,8 @@ def moe_layer_matches(tp=1, ep=2, plans=30, seq=16, mbs=2, seed=5, zero_router=F
             raise Mismatch(f"{e} ({len(plan.steps)} steps)") from None
     return {"plans": len(all_plans), "distinct": len({p.digest() for _, p in all_plans}),
             "n_grads": len(grads_ref),
+            "bias_grads": sum(1 for k, v in grads_ref.items() if "local_experts" in k and
+                              k.endswith(".bias") and bool(v.abs().sum() > 0)),
             "a2a": [o.name for o in ops.forward + ops.backward if o.collective == "all_to_all"]}
 
 

@@ -93,6 +93,112 @@ def test_dhelix_moe_training_matches_the_baseline(shared):
     assert same_runs(dh, base) == 0.0
 
 
+BIAS_PLANS = 12     # random legal plans for the MoE layer with expert biases
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["ep2", "ep2-all-to-one-rank"])
+def test_dhelix_moe_layer_with_expert_biases_matches_megatron(zero):
+    """Expert biases (add_bias_linear, as GPT-OSS; random values, megatron initialises
+    them to zero): fc1's before the activation, fc2's times the routing weight. EP=2 on
+    2 ranks: output, input grad and every parameter grad (each expert's fc1 and fc2
+    bias, the router's through the routing weights, the attention's biases) equal
+    megatron's MoE layer bit for bit for the trivial, paired and random legal plans;
+    with every token routed to one EP rank, the other rank's experts (no tokens) get
+    zero bias grads on both sides."""
+    import moe_fns
+    rs = run_ranks(moe_fns.moe_layer_matches, 2, timeout=400, tp=1, ep=2, plans=BIAS_PLANS,
+                   zero_router=zero, model="tiny-moe-bias")
+    for r in rs:
+        assert r["plans"] == r["distinct"] == BIAS_PLANS + 2
+    # 2 local experts per rank, each with an fc1 and an fc2 bias, all with nonzero grads
+    # (with every token on one rank: that rank's only)
+    assert sorted(r["bias_grads"] for r in rs) == ([0, 4] if zero else [4, 4])
+
+
+def test_dhelix_moe_training_with_expert_biases_matches_the_baseline():
+    """10 steps of tiny-moe-bias, EP=2 on 2 ranks: --dhelix's losses, every step's
+    per-parameter gradient checksums (the experts' biases among them) and the final
+    weights equal megatron's bit for bit; the biases move off their zero init."""
+    kw = dict(MOE, config="tiny-moe-bias", train_iters=10, expert_model_parallel_size=2,
+              checksums=True)
+    base = run_ranks(train_result, 2, timeout=300, **kw)
+    dh = run_ranks(train_result, 2, timeout=300, dhelix={"enabled": True}, **kw)
+    assert dh[0]["config"]["schedule"] != base[0]["config"]["schedule"]
+    for r in dh:
+        names = [k for k in r["grad_checksums"][-1] if "local_experts" in k and
+                 k.endswith(".bias")]
+        assert len(names) == 8, names        # 2 layers × 2 local experts × fc1, fc2
+        # [sum, sum of squares]: zero-initialised, moved by training
+        assert all(r["weight_checksums"][k][1] > 0 for k in names), names
+    assert same_runs(dh, base) == 0.0
+
+
+def test_megatron_lm_moe_flags_refused_before_training():
+    """Megatron-LM's pretrain_gpt.py with --dhelix and --num-experts: every MoE setting
+    the DHelix MoE layer refuses when it is built is refused by `check_dhelix_args`
+    before any rank trains, naming the flag and the fix; the flags are megatron's (its
+    arguments are generated from the config fields); without --dhelix nothing is refused;
+    `dhelix train`'s namespace (no dispatcher or capacity flags) passes."""
+    import argparse
+    import dataclasses
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from dhelix.cli.train import add_train_args
+    from dhelix.megatron.args import DHelixArgError, add_dhelix_args, check_dhelix_args
+
+    ok = dict(num_experts=4, moe_token_dispatcher_type="alltoall", context_parallel_size=1,
+              tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+              moe_shared_expert_intermediate_size=None, moe_shared_expert_overlap=False,
+              moe_shared_expert_gate=False, moe_expert_capacity_factor=None,
+              moe_pad_expert_input_to_capacity=False, moe_apply_probs_on_input=False)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert not set(ok) - fields - {"num_experts"}, set(ok) - fields
+
+    def args(*argv, **over):
+        p = argparse.ArgumentParser()
+        add_dhelix_args(p)
+        a = p.parse_args(list(argv))
+        for k, v in dict(ok, **over).items():
+            setattr(a, k, v)
+        return a
+    check_dhelix_args(args("--dhelix"))
+    check_dhelix_args(args("--dhelix", moe_shared_expert_gate=True))   # no shared experts
+    check_dhelix_args(args("--dhelix", add_bias_linear=True))          # expert biases
+    shared = dict(moe_shared_expert_intermediate_size=96)
+    cases = [
+        (dict(moe_token_dispatcher_type="allgather"), r"--moe-token-dispatcher-type "
+         r"allgather: .* pass --moe-token-dispatcher-type alltoall"),
+        (dict(moe_token_dispatcher_type="flex"), r"--moe-token-dispatcher-type flex"),
+        (dict(expert_tensor_parallel_size=None), r"experts split over 2 tensor-parallel "
+         r"ranks \(--expert-tensor-parallel-size, which defaults to "
+         r"--tensor-model-parallel-size\).*add --expert-tensor-parallel-size 1"),
+        (dict(expert_tensor_parallel_size=2), r"add --expert-tensor-parallel-size 1"),
+        (dict(shared, moe_shared_expert_overlap=True), r"shared experts and "
+         r"--moe-shared-expert-overlap: .*drop --moe-shared-expert-overlap$"),
+        (dict(shared, moe_shared_expert_gate=True), r"drop --moe-shared-expert-gate$"),
+        (dict(moe_expert_capacity_factor=1.5), r"--moe-expert-capacity-factor 1.5: .*drop "
+                                               r"--moe-expert-capacity-factor$"),
+        (dict(moe_pad_expert_input_to_capacity=True, moe_expert_capacity_factor=1.0),
+         r"drop --moe-expert-capacity-factor and --moe-pad-expert-input-to-capacity$"),
+        (dict(context_parallel_size=2), r"--context-parallel-size 2: .*drop "
+                                        r"--context-parallel-size"),
+        (dict(moe_apply_probs_on_input=True), r"drop --moe-apply-probs-on-input"),
+    ]
+    for over, msg in cases:
+        with pytest.raises(DHelixArgError, match=msg):
+            check_dhelix_args(args("--dhelix", **over))
+        check_dhelix_args(args(**over))                          # megatron's own run
+        check_dhelix_args(args("--dhelix", **dict(over, num_experts=None)))   # dense
+    # dhelix train's namespace: its own MoE flags only (it sets the dispatcher itself)
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    add_dhelix_args(p)
+    check_dhelix_args(p.parse_args(["--config", "tiny-moe-bias", "--num-experts", "4",
+                                    "--dhelix"]))
+    with pytest.raises(DHelixArgError, match="add --expert-tensor-parallel-size 1"):
+        check_dhelix_args(p.parse_args(["--num-experts", "4", "--dhelix",
+                                        "--tensor-model-parallel-size", "2"]))
+
+
 def test_moe_chains_put_the_all_to_alls_on_the_ep_group():
     from dhelix.planner.chains import layer_chains
     f, b = layer_chains(2, True, "intra", moe=True, ep_lane="inter")

@@ -120,6 +120,58 @@ def check_dhelix_args(args) -> None:
     if pp > 1 and not fold:
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
                              "U-folded pipeline: add --dhelix-fold")
+    _check_moe(args)
+
+
+def _check_moe(args) -> None:
+    """--dhelix with --num-experts: what the DHelix MoE layer (strand/moe.py) refuses when
+    it is built, refused here before any rank trains, by flag. `dhelix train` passes its
+    own namespace, without megatron's MoE flags: a missing one is taken as what `dhelix
+    train` sets (the all-to-all dispatcher, no token dropping, no shared-expert gate)."""
+    if not getattr(args, "num_experts", None):
+        return
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1:
+        raise DHelixArgError(f"--dhelix with --num-experts and --context-parallel-size {cp}: "
+                             f"the DHelix MoE layer has no context parallel yet; drop "
+                             f"--context-parallel-size (or --dhelix)")
+    disp = getattr(args, "moe_token_dispatcher_type", None) or "alltoall"
+    if disp != "alltoall":
+        raise DHelixArgError(f"--dhelix with --moe-token-dispatcher-type {disp}: the DHelix "
+                             f"MoE layer takes megatron's all-to-all dispatcher apart into "
+                             f"ops; pass --moe-token-dispatcher-type alltoall (Megatron-LM's "
+                             f"default is allgather)")
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    if etp > 1:
+        raise DHelixArgError(f"--dhelix with experts split over {etp} tensor-parallel ranks "
+                             f"(--expert-tensor-parallel-size, which defaults to "
+                             f"--tensor-model-parallel-size): the DHelix MoE layer keeps "
+                             f"experts whole; add --expert-tensor-parallel-size 1")
+    if getattr(args, "moe_shared_expert_intermediate_size", None):
+        bad = [flag for flag, name in (("--moe-shared-expert-overlap",
+                                        "moe_shared_expert_overlap"),
+                                       ("--moe-shared-expert-gate", "moe_shared_expert_gate"))
+               if getattr(args, name, False)]
+        if bad:
+            raise DHelixArgError(f"--dhelix with shared experts and {', '.join(bad)}: the "
+                                 f"DHelix MoE layer runs the shared experts as its own op "
+                                 f"(beside the dispatch all-to-all), ungated; drop "
+                                 f"{' and '.join(bad)}")
+    bad = [flag for flag, yes in (
+        (f"--moe-expert-capacity-factor {getattr(args, 'moe_expert_capacity_factor', None)}",
+         getattr(args, "moe_expert_capacity_factor", None) is not None),
+        ("--moe-pad-expert-input-to-capacity",
+         getattr(args, "moe_pad_expert_input_to_capacity", False))) if yes]
+    if bad:
+        raise DHelixArgError(f"--dhelix with {' and '.join(bad)}: the DHelix MoE layer does "
+                             f"not drop tokens (no expert capacity); drop "
+                             f"{' and '.join(f.split()[0] for f in bad)}")
+    if getattr(args, "moe_apply_probs_on_input", False):
+        raise DHelixArgError("--dhelix with --moe-apply-probs-on-input: the DHelix MoE layer "
+                             "weighs each expert's activation by the routing weight, as "
+                             "megatron does without that flag; drop "
+                             "--moe-apply-probs-on-input")
 
 
 def _check_transformer_impl(args) -> None:

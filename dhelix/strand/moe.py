@@ -44,35 +44,51 @@ class MoEProgram(LayerProgram):
 
     def _bind_mlp(self, moe):
         from dhelix.strand.lanes import lane_of_group
+        # (the Megatron-LM path refuses these by flag before training: megatron/args.py)
         if self.cp > 1:
-            raise ValueError("DHelix MoE layer: context parallel is not supported yet")
+            raise ValueError("DHelix MoE layer: context parallel is not supported yet "
+                             "(drop --context-parallel-size)")
         self.mlp = moe
         self.moe = moe
         self.disp = moe.token_dispatcher
         cfg = moe.config
         if cfg.moe_token_dispatcher_type != "alltoall":
             raise ValueError("DHelix MoE layer: the all-to-all token dispatcher only "
-                             f"(moe_token_dispatcher_type is {cfg.moe_token_dispatcher_type})")
+                             f"(moe_token_dispatcher_type is {cfg.moe_token_dispatcher_type}; "
+                             f"pass --moe-token-dispatcher-type alltoall)")
         if self.disp.tp_size > 1:
             raise ValueError("DHelix MoE layer: experts split over TP are not supported; "
                              "use --expert-tensor-parallel-size 1")
         self.shared = bool(getattr(moe, "use_shared_expert", False))
         if self.shared and (moe.shared_expert_overlap or moe.shared_experts.use_shared_expert_gate):
             raise ValueError("DHelix MoE layer: shared experts with megatron's own overlap "
-                             "or a gate are not supported")
+                             "or a gate are not supported (drop --moe-shared-expert-overlap "
+                             "and --moe-shared-expert-gate)")
         if self.disp.drop_and_pad or cfg.moe_expert_capacity_factor is not None:
             raise ValueError("DHelix MoE layer: token dropping (capacity factor) is not "
-                             "supported")
+                             "supported (drop --moe-expert-capacity-factor and "
+                             "--moe-pad-expert-input-to-capacity)")
+        if getattr(cfg, "moe_apply_probs_on_input", False):
+            # megatron's SequentialMLP then weighs the input and multiplies the activation
+            # by ones: experts_act would weigh the activation instead, silently otherwise
+            raise ValueError("DHelix MoE layer: routing weights applied on the expert input "
+                             "are not supported (drop --moe-apply-probs-on-input)")
         self.ep_group = self.disp.ep_group
         self.ep = dist.get_world_size(self.ep_group)
         self.ep_lane = lane_of_group(self.ep_group) if self.ep > 1 else "intra"
         experts = list(moe.experts.local_experts)
         self.w1 = [e.linear_fc1.weight for e in experts]
         self.w2 = [e.linear_fc2.weight for e in experts]
-        if any(e.linear_fc1.bias is not None or e.linear_fc2.bias is not None
-               for e in experts):
-            raise ValueError("DHelix MoE layer: expert biases are not supported "
-                             "(megatron's all-to-all dispatcher refuses them too)")
+        if not all(e.linear_fc1.skip_bias_add and e.linear_fc2.skip_bias_add
+                   for e in experts):
+            raise ValueError("DHelix MoE layer expects megatron's skip_bias_add expert "
+                             "linears (linear_fc1, linear_fc2)")
+        # Expert biases (add_bias_linear, as GPT-OSS): megatron's expert MLP adds fc1's
+        # before the activation and fc2's times the routing weight onto the output (the
+        # MoE block then returns no bias). None without add_bias_linear.
+        self.b1 = [e.linear_fc1.bias for e in experts]
+        self.b2 = [e.linear_fc2.bias for e in experts]
+        self.fc2_bias = any(b is not None for b in self.b2)
         self.b_fc2 = None                     # the MoE block returns no bias
         self.router_params = [p for p in moe.router.parameters() if p.requires_grad]
 
@@ -228,24 +244,40 @@ class MoEProgram(LayerProgram):
         xs = self._split(S, S.get("moe_etokens"), "experts_fc1")
         S.put("moe_fc1", [torch.matmul(x, w.t()) for x, w in zip(xs, self.w1)])
 
-    def _act_one(self, x, probs):
-        """megatron MLP's unfused activation, then the per-token routing weight."""
-        y = mlp_activation(self.cfg, x, None, self.cfg.activation_func)
+    def _act_one(self, x, b, probs):
+        """megatron MLP's unfused activation (fc1's bias `b`, if any, added first), then
+        the per-token routing weight."""
+        y = mlp_activation(self.cfg, x, b, self.cfg.activation_func)
         return (y * probs.unsqueeze(-1)).to(y.dtype)
 
     def _experts_act(self, S):
-        """One local graph over every local expert: (fc1 outputs..., routing weights)."""
+        """One local graph over every local expert: (fc1 outputs..., routing weights);
+        fc1's biases are its parameters (their grads go to the strand in experts_act_b)."""
         n = len(self.w1)
 
         def fn(*a):
             ps = self._split(S, a[n], "experts_act")
-            return tuple(self._act_one(x, p) for x, p in zip(a[:n], ps))
+            return tuple(self._act_one(x, b, p) for x, b, p in zip(a[:n], self.b1, ps))
         acts = self._graph(S, [*S.get("moe_fc1"), "moe_eprobs"], "g:experts_act", fn)
         S.put("moe_act", list(acts))
-        S.drop("moe_fc1", "moe_eprobs")
+        S.drop("moe_fc1")
+        if not self.fc2_bias:               # else experts_fc2 weighs its bias by them
+            S.drop("moe_eprobs")
 
     def _experts_fc2(self, S):
         outs = [torch.matmul(a, w.t()) for a, w in zip(S.get("moe_act"), self.w2)]
+        if self.fc2_bias:
+            # megatron's expert MLP: `output += output_bias.unsqueeze(0) *
+            # per_token_scale.unsqueeze(-1)`. The product is a local graph over the routing
+            # weights (fc2's biases its parameters); the in-place add, as megatron's,
+            # rounds to the output's dtype and passes the output grad through unchanged.
+            def fn(p):
+                ps = self._split(S, p, "experts_fc2")
+                return tuple(b.unsqueeze(0) * q.unsqueeze(-1) for b, q in zip(self.b2, ps))
+            terms = self._graph(S, ("moe_eprobs",), "g:experts_bias", fn)
+            for o, t in zip(outs, terms):
+                o += t
+            S.drop("moe_eprobs")
         S.put("moe_eout", torch.cat(outs, dim=0) if len(outs) > 1 else outs[0])
 
     def _unsort_chunks(self, S):
@@ -298,6 +330,11 @@ class MoEProgram(LayerProgram):
 
     def _experts_fc2_dgrad(self, S):
         S.put("g_moe_act", [g.matmul(w) for g, w in zip(S.get("g_moe_eout"), self.w2)])
+        if self.fc2_bias:
+            # the bias term's grads: the routing weights' part (added to the activation's
+            # in experts_act_b) and fc2's biases' (to the strand)
+            (gp,) = self._graph_grad(S, "g:experts_bias", S.get("g_moe_eout"), self.b2)
+            S.put("g_moe_eprobs_bias", gp)
 
     def _experts_fc2_wgrad(self, S):
         for g, a, w in zip(S.get("g_moe_eout"), S.get("moe_act"), self.w2):
@@ -305,9 +342,19 @@ class MoEProgram(LayerProgram):
         S.drop("g_moe_eout", "moe_act")
 
     def _experts_act_b(self, S):
-        grads = self._graph_grad(S, "g:experts_act", S.get("g_moe_act"))
+        grads = self._graph_grad(S, "g:experts_act", S.get("g_moe_act"), self.b1)
         S.put("g_moe_fc1", grads[:-1])
-        S.put("g_moe_eprobs", grads[-1])
+        g_probs = grads[-1]
+        if self.fc2_bias:
+            # Each expert's routing weights feed its activation and its fc2 bias term;
+            # megatron's autograd sums the two grads per expert before the split's
+            # backward concatenates them: summing the concatenations elementwise is the
+            # same. The bias term is the later node, so its grad arrives first in
+            # autograd's buffer: bias + activation (a sum of two is commutative in IEEE
+            # arithmetic anyway).
+            g_probs = S.get("g_moe_eprobs_bias") + g_probs
+            S.drop("g_moe_eprobs_bias")
+        S.put("g_moe_eprobs", g_probs)
         S.drop("g_moe_act")
 
     def _experts_fc1_dgrad(self, S):
