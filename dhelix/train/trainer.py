@@ -198,6 +198,11 @@ def train(cfg: TrainConfig) -> dict:
                   f"{f'grad norm {grad_norm:.3f} | ' if grad_norm is not None else ''}"
                   f"{progress_clock(time.perf_counter() - started, times, cfg.train_iters)}",
                   flush=True)
+    if cfg.overlap_param_gather:
+        # the last step's gathers would wait for a next forward: finish them now, and
+        # evaluate, checksum and save whole weights (as Megatron-LM does before both)
+        for c in chunks:
+            c.disable_forward_pre_hook(param_sync=True)
     eval_loss = None
     if cfg.eval_iters:
         for c in chunks:
