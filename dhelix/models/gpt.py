@@ -15,9 +15,15 @@ from dhelix.models.spec import block_spec
 
 def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
                        bf16: bool = False, pp: int = 1, ep: int = 1,
-                       etp: Optional[int] = None, cp: int = 1) -> TransformerConfig:
+                       etp: Optional[int] = None, cp: int = 1,
+                       recompute_granularity: Optional[str] = None,
+                       recompute_method: Optional[str] = None,
+                       recompute_num_layers: Optional[int] = None) -> TransformerConfig:
     """The megatron TransformerConfig for a model shape. Fusions that need CUDA kernels
-    are off; the math is megatron's unfused path, which the DHelix layer mirrors."""
+    are off; the math is megatron's unfused path, which the DHelix layer mirrors.
+    The recompute settings are megatron's (--recompute-*): its TransformerBlock
+    checkpoints whole layers (full) or its attention the core (selective); under DHelix's
+    schedule the layer nodes recompute instead (docs/recompute.md)."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -46,6 +52,9 @@ def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool =
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=True,
+        recompute_granularity=recompute_granularity,
+        recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
         **(_moe(m, ep, etp or tp) if m.num_experts else {}),
     )
 

@@ -50,8 +50,8 @@ class ForwardRunner:
         if self.nodes and x is not self.nodes[-1].out:
             raise NodeChainError(
                 f"layer {layer.layer_number}: its input is not the output of the DHelix layer "
-                f"before it (something runs between layers, e.g. activation offloading or "
-                f"recompute); DHelix needs the decoder's layers back to back")
+                f"before it (something runs between layers, e.g. activation offloading); "
+                f"DHelix needs the decoder's layers back to back")
         node = LayerNode(layer, x, meta, self.lanes, "α", self.label, self.tiles)
         self.execute(node)
         self.nodes.append(node)
@@ -117,6 +117,7 @@ class BackwardWalk:
         node = self.pending.pop()
         g, self.g = self.g, None            # the node's states hold it (or their tiles)
         node.begin_backward(g, "β", self.label)
+        node.recompute_forward(self.steps.tracer)    # a recomputed layer: forward again
         return node
 
     def done(self, node: LayerNode) -> None:
@@ -177,6 +178,7 @@ class MicrobatchSteps:
             first_val_step
         self.lanes, self.tracer = lanes, tracer
         self.config, self.model_type = get_model_config(model), get_model_type(model)
+        own_recompute(model)
         self.cp = parallel_state.get_context_parallel_world_size()
         self.store: list = []
         # parameters outside the DHelix layers (embedding, final norm, output layer)
@@ -212,6 +214,24 @@ class MicrobatchSteps:
         if c.finalize_model_grads_func is not None:
             c.finalize_model_grads_func([self.model],
                                         self.tokens if c.calculate_per_token_loss else None)
+
+
+def own_recompute(model) -> None:
+    """Full recompute under DHelix is the layer nodes' (`LayerNode.recompute_forward`):
+    a TransformerBlock of DHelix layers set to checkpoint whole layers itself would run
+    them inside megatron's checkpoint, where no node can be made. Such a block gets its
+    own copy of the config with `recompute_granularity` None — its layers keep the
+    shared config, from which each program reads whether it is recomputed. Idempotent."""
+    import copy
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from dhelix.strand.layer import DHelixLayer
+    for m in model.modules():
+        if isinstance(m, TransformerBlock) and \
+                getattr(m.config, "recompute_granularity", None) == "full" and \
+                any(isinstance(x, DHelixLayer) for x in m.layers):
+            cfg = copy.copy(m.config)
+            cfg.recompute_granularity = None
+            m.config = cfg
 
 
 def unwrap_and_evaluate(model, data_iterator, forward_only, **kw):

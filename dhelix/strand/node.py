@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 from dhelix.strand.lanes import Lanes
-from dhelix.strand.state import GradHandoffError, StrandState
+from dhelix.strand.state import GradHandoffError, RngStates, StrandState
 
 # program -> {id(param): gradient contributions per state in one node backward}, learnt
 # from the program's first node backward (its op chain is fixed, so are the counts)
@@ -65,9 +65,15 @@ class LayerNode:
             raise ValueError(f"the intra-batch peer splits each micro-batch in {tiles}: "
                              f"--micro-batch-size must be divisible by {tiles} "
                              f"(got {x.shape[1]})")
+        # full recompute (megatron's --recompute-granularity full, this layer chosen by
+        # its method): after the forward the node keeps its input only, and its backward
+        # begins by running the forward ops again from the generator states of now
+        self.recompute = getattr(self.program, "recompute", None) == "full"
+        self.rng: Optional[RngStates] = RngStates() if self.recompute else None
         self.states = [StrandState(lanes, strand, label) for _ in range(tiles)]
         for S, xi, mi in zip(self.states, _split(x.detach(), tiles), _tile_meta(meta, tiles)):
             S.meta = mi
+            S.graphs = not self.recompute
             S.put("x", xi)
 
     # ---- forward ------------------------------------------------------------------------
@@ -77,8 +83,31 @@ class LayerNode:
         for S in self.states:
             outs.append(S.get("out"))
             S.drop("out")
+            if self.recompute:
+                S.retain("x")       # the ops' saved tensors go; the backward recomputes
         self.out = _join(outs).requires_grad_()
         return self.out
+
+    def recompute_forward(self, tracer=None) -> None:
+        """A recomputed node's backward begins here: its forward ops again, on the kept
+        input, from the generator states its first forward started with (megatron's
+        checkpoint: the same dropout masks), as one step of this strand alone; what they
+        keep for the backward ops counts as activations again. Called by the backward walk
+        right after `begin_backward`, before the node's backward ops."""
+        if not self.recompute:
+            return
+        from dhelix.strand.executor import execute_step
+        for S in self.states:
+            S.counting = True
+            S.graphs = True
+        try:
+            with self.rng.restored():
+                states = self.states[0] if len(self.states) == 1 else self.states
+                execute_step((states, self.program.forward_ops), None, tracer)
+        finally:
+            for S in self.states:
+                S.drop("out")
+                S.counting = False
 
     # ---- backward -----------------------------------------------------------------------
     def begin_backward(self, g: torch.Tensor, strand: str = "β", label: str = "") -> None:
@@ -131,6 +160,7 @@ class LayerNode:
                     _GRAD_COUNTS.pop(self.program, None)
         self.states = []
         self.handoff = None
+        self.rng = None
         self.x_in = None                # its storage is the node below's output
         return g_x
 

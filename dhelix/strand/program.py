@@ -21,7 +21,7 @@ import torch
 from dhelix.planner.chains import layer_chains
 from dhelix.planner.opspec import LayerOps, OpSpec
 from dhelix.planner.shapes import LayerShape, estimate_layer_ops
-from dhelix.strand.state import StrandState
+from dhelix.strand.state import RngStates, StrandState
 from dhelix.strand.traced import traced
 
 
@@ -66,6 +66,31 @@ def mlp_activation(cfg, x, bias, activation_func):
     return activation_func(x)
 
 
+def recompute_of(layer):
+    """What megatron's recompute settings (the layer's TransformerConfig) make of this
+    layer: None, "full" (the node recomputes the whole layer, `strand.node`) or
+    "selective" (the attention core, `attn` / `attn_b`). Which layers: `planner.recompute.
+    recomputed_layers`, from the layer's index in its model chunk."""
+    cfg = layer.config
+    g = getattr(cfg, "recompute_granularity", None)
+    if g is None:
+        return None
+    if g == "selective":
+        mods = list(cfg.recompute_modules or ["core_attn"])
+        if mods != ["core_attn"]:
+            raise ValueError(f"DHelix recomputes the attention core only (recompute_modules "
+                             f"['core_attn']), not {mods}")
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from dhelix.planner.recompute import recomputed_layers
+    vp = getattr(layer, "vp_stage", None)
+    offset = get_transformer_layer_offset(cfg, vp_stage=vp)
+    pp = max(int(cfg.pipeline_model_parallel_size or 1), 1)
+    vpp = max(int(getattr(cfg, "virtual_pipeline_model_parallel_size", None) or 1), 1)
+    per_chunk = cfg.num_layers // (pp * vpp)
+    return recomputed_layers(g, cfg.recompute_method, cfg.recompute_num_layers,
+                             per_chunk)[layer.layer_number - 1 - offset]
+
+
 class LayerProgram:
     """The op chains of one DHelix layer, bound to its parameters and TP group."""
 
@@ -93,6 +118,12 @@ class LayerProgram:
         if not attn.linear_proj.skip_bias_add:
             raise ValueError("DHelix layer expects megatron's skip_bias_add linear_proj")
         self._bind_mlp(layer.mlp)
+        self.recompute = recompute_of(layer)     # None | "full" | "selective"
+        if self.recompute and (self.ring is not None or type(self) is not LayerProgram):
+            raise ValueError(f"activation recompute ({self.recompute}) of a DHelix layer with "
+                             f"context parallel or MoE is not built: drop the recompute "
+                             f"flags (docs/recompute.md)")
+        self.selective = self.recompute == "selective"
         self.params: List[torch.nn.Parameter] = [p for p in layer.parameters()]
         self.forward_ops, self.backward_ops = self._build()
         self.fwd: Dict[str, Op] = {o.name: o for o in self.forward_ops}
@@ -170,7 +201,10 @@ class LayerProgram:
 
     # ---- forward compute -------------------------------------------------------------------
     def _local(self, S, key_in, key_graph, fn, owned=False):
-        """Run fn on a detached copy of S[key_in] with autograd, keep the local graph."""
+        """Run fn on a detached copy of S[key_in] with autograd, keep the local graph
+        (none in a recomputed layer's first forward: `StrandState.graphs`)."""
+        if not S.graphs:
+            return fn(S.get(key_in))
         x = S.get(key_in).detach().requires_grad_()
         y = traced(fn, x, owned=(x,) if owned else ())
         S.put(key_graph, (x, y))
@@ -189,17 +223,28 @@ class LayerProgram:
 
     def _attn_core(self, qkv):
         attn = self.attn
-        saved = attn.linear_qkv, attn.linear_proj
+        saved = attn.linear_qkv, attn.linear_proj, attn.checkpoint_core_attention
         attn.linear_qkv, attn.linear_proj = _Passthrough(), _Passthrough()
+        # selective recompute is the `attn` / `attn_b` ops' own (below): megatron's
+        # checkpoint inside the op's local graph would need autograd's .backward()
+        attn.checkpoint_core_attention = False
         try:
             out, _ = attn(qkv, attention_mask=self._meta["attention_mask"],
                           rotary_pos_emb=self._meta["rotary_pos_emb"])
         finally:
-            attn.linear_qkv, attn.linear_proj = saved
+            attn.linear_qkv, attn.linear_proj, attn.checkpoint_core_attention = saved
         return out
 
     def _attn(self, S):
         self._meta = S.meta
+        if self.selective:
+            # selective recompute: no graph now (the executor runs ops without grad), so
+            # the core's own saved state is not kept; its input `qkv` is, with the
+            # generator states, and `attn_b` runs the core again (megatron's
+            # `_checkpointed_attention_forward`)
+            S.put("rng:attn", RngStates())
+            S.put("core", self._attn_core(S.get("qkv")))
+            return
         S.put("core", self._local(S, "qkv", "g:attn", self._attn_core, owned=True))
         S.drop("qkv")
 
@@ -211,8 +256,12 @@ class LayerProgram:
         x = S.get(key_x).detach().requires_grad_()
         r = S.get(key_res).detach().requires_grad_()
         layer = self.layer
-        y = traced(lambda x_: bda(layer.training, self.cfg.bias_dropout_fusion)(
-            (x_, bias), r, layer.hidden_dropout), x, owned=(x,))
+        run = lambda x_: bda(layer.training, self.cfg.bias_dropout_fusion)(  # noqa: E731
+            (x_, bias), r, layer.hidden_dropout)
+        if not S.graphs:
+            S.drop(key_x)
+            return run(x)
+        y = traced(run, x, owned=(x,))
         S.put(key_graph, (x, r, y))
         S.drop(key_x)
         return y.detach()
@@ -307,6 +356,13 @@ class LayerProgram:
         S.drop("core", "g_proj_out", "g_attn_out")
 
     def _attn_b(self, S):
+        if self.selective:      # the core again, from the same input and generator states
+            self._meta = S.meta
+            x = S.get("qkv").detach().requires_grad_()
+            with S.get("rng:attn").restored():
+                y = traced(self._attn_core, x)
+            S.put("g:attn", (x, y))
+            S.drop("qkv", "rng:attn")
         (g,) = self._grad(S, "g:attn", S.get("g_core"), [])
         S.put("g_qkv", g)
         S.drop("g_core")

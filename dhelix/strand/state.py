@@ -6,6 +6,7 @@ the backward are counted by the activation meter while they live.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -18,6 +19,25 @@ from dhelix.base.memory import METER
 class GradHandoffError(RuntimeError):
     """A parameter's gradient contribution arrived after its gradient had been handed to
     autograd (or it was handed twice): the sum would no longer be megatron's."""
+
+
+class RngStates:
+    """The generator states megatron's activation checkpoint saves (the CPU generator's,
+    the CUDA generator's, the model-parallel tracker's), taken now; `restored()` runs a
+    block from them and puts the states of the moment back afterwards, as megatron's
+    `CheckpointFunction.backward` does, so a recomputed dropout draws the same mask and
+    nothing else's stream moves. Held as one object, it is not counted as activations."""
+
+    def __init__(self):
+        from megatron.core.tensor_parallel import random as mrandom
+        self.states = mrandom._get_all_rng_states()
+
+    @contextlib.contextmanager
+    def restored(self):
+        from megatron.core.tensor_parallel import random as mrandom
+        with mrandom._fork_rng():
+            mrandom._set_all_rng_states(*self.states)
+            yield
 
 
 class StrandState:
@@ -39,6 +59,10 @@ class StrandState:
         # Only what the forward keeps for the backward counts as activation memory, as
         # autograd's saved tensors do for megatron's layer; backward temporaries do not.
         self.counting = True
+        # False while a fully recomputed layer runs its first forward: its ops build no
+        # local autograd graph (megatron's checkpoint runs that forward without grad); the
+        # forward run again in its backward builds them
+        self.graphs = True
         self.waited = 0.0              # seconds spent waiting for comm results (traces)
 
     def put(self, key: str, value) -> None:
@@ -73,6 +97,12 @@ class StrandState:
         done.add(reader)
         if done >= set(readers):
             self.drop(key, f"_read:{key}")
+
+    def retain(self, *keys: str) -> None:
+        """Drop every key but `keys` (a recomputed layer after its forward keeps its
+        input only)."""
+        for k in [k for k in self._v if k not in keys]:
+            self.drop(k)
 
     def clear(self) -> None:
         self._v.clear()

@@ -71,7 +71,10 @@ def setup_megatron(cfg: TrainConfig, m: ModelConfig, layout: Layout):
     model_parallel_cuda_manual_seed(cfg.seed)
     tconfig = transformer_config(m, tp=layout.tp, sequence_parallel=cfg.sequence_parallel,
                                  bf16=cfg.bf16, pp=layout.pp, ep=layout.ep,
-                                 etp=layout.etp, cp=layout.cp)
+                                 etp=layout.etp, cp=layout.cp,
+                                 recompute_granularity=cfg.recompute_granularity,
+                                 recompute_method=cfg.recompute_method,
+                                 recompute_num_layers=cfg.recompute_num_layers)
     if layout.vpp > 1:
         tconfig.virtual_pipeline_model_parallel_size = layout.vpp
     tconfig.batch_p2p_comm = False          # gloo: plain isend/irecv, no coalescing
