@@ -239,3 +239,34 @@ def test_simulator_peak_reflects_recompute():
     assert peaks["full"] < peaks["selective"] < peaks[None], peaks
     beta = sum(o.saved_bytes for o in lo.backward)     # β's layer, alive at the start
     assert peaks["full"] >= beta + rc.input_bytes(lo)
+
+
+def test_megatron_lm_recompute_flags_checked_before_training():
+    """Megatron-LM's pretrain_gpt.py with --dhelix and megatron's recompute flags: full and
+    selective (attention core) pass; with the halves, experts, context parallel or
+    selective modules other than core_attn they are refused by flag before training;
+    without --dhelix nothing is refused."""
+    import argparse
+    from dhelix.megatron.args import DHelixArgError, add_dhelix_args, check_dhelix_args
+
+    def args(*argv, **over):
+        p = argparse.ArgumentParser()
+        add_dhelix_args(p)
+        a = p.parse_args(list(argv))
+        for k, v in dict(dict(recompute_granularity="full", recompute_method="uniform",
+                              recompute_num_layers=1, context_parallel_size=1,
+                              micro_batch_size=2), **over).items():
+            setattr(a, k, v)
+        return a
+    check_dhelix_args(args("--dhelix"))
+    check_dhelix_args(args("--dhelix", recompute_granularity="selective",
+                           recompute_modules=["core_attn"]))
+    check_dhelix_args(args(num_experts=4, context_parallel_size=2))      # megatron's own
+    for argv, over, flag in (
+            (("--dhelix", "--dhelix-halves"), {}, "--dhelix-halves"),
+            (("--dhelix",), dict(num_experts=4), "--num-experts"),
+            (("--dhelix",), dict(context_parallel_size=2), "--context-parallel-size 2"),
+            (("--dhelix",), dict(recompute_granularity="selective",
+                                 recompute_modules=["core_attn", "mlp"]), "core_attn")):
+        with pytest.raises(DHelixArgError, match=flag):
+            check_dhelix_args(args(*argv, **over))

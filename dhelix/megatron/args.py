@@ -121,6 +121,31 @@ def check_dhelix_args(args) -> None:
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
                              "U-folded pipeline: add --dhelix-fold")
     _check_moe(args)
+    _check_recompute(args)
+
+
+def _check_recompute(args) -> None:
+    """--dhelix with megatron's --recompute-granularity: the DHelix layer nodes recompute
+    dense layers (docs/recompute.md); what they do not, refused here by flag."""
+    g = getattr(args, "recompute_granularity", None)
+    if not g:
+        return
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    bad = [flag for flag, yes in (
+        ("--dhelix-halves", bool(getattr(args, "dhelix_halves", False))),
+        ("--num-experts", bool(getattr(args, "num_experts", None))),
+        (f"--context-parallel-size {cp}", cp > 1)) if yes]
+    if bad:
+        raise DHelixArgError(f"--dhelix with --recompute-granularity {g} and "
+                             f"{', '.join(bad)}: DHelix recomputes dense layers without "
+                             f"context parallel or the halves; drop {' / '.join(bad)} or the "
+                             f"recompute flags")
+    modules = getattr(args, "recompute_modules", None) or ["core_attn"]
+    if g == "selective" and list(modules) != ["core_attn"]:
+        raise DHelixArgError(f"--dhelix with --recompute-granularity selective "
+                             f"--recompute-modules {' '.join(modules)}: DHelix recomputes the "
+                             f"attention core only; use --recompute-modules core_attn (the "
+                             f"default)")
 
 
 def _check_moe(args) -> None:
