@@ -46,7 +46,7 @@ class TrainOptimizer:
         self.optimizer.zero_grad()
 
     def step(self):
-        """(applied, grad norm); the grad norm is None without --clip-grad."""
+        """(applied, the gradient norm megatron computed before clipping)."""
         from dhelix.compat.cpu import cuda_type_names
         with cuda_type_names():       # megatron's grad-norm code checks the type too, on CPU
             ok, grad_norm, _ = self.optimizer.step()

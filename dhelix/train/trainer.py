@@ -243,7 +243,7 @@ def train(cfg: TrainConfig) -> dict:
                    "backend": info.backend, "schedule": schedule.name},
         "losses": losses,
         "learning_rates": lrs,
-        "grad_norms": grad_norms,        # None without --clip-grad (megatron computes none)
+        "grad_norms": grad_norms,        # megatron's, before clipping
         "eval_loss": eval_loss,
         "step_times_s": times,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
