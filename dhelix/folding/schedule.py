@@ -135,7 +135,11 @@ def forward_backward_folded(*, forward_step_func, data_iterator, model, num_micr
     g = parallel_state.get_pipeline_model_parallel_rank()
     N = num_microbatches
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    s_local = seq_length // tp if config.sequence_parallel else seq_length
+    # what travels between stages is this rank's part of the sequence, as megatron's
+    # `get_tensor_shapes`: 1/CP of it (its two load-balanced chunks), 1/TP of that with SP
+    s_local = seq_length // parallel_state.get_context_parallel_world_size()
+    if config.sequence_parallel:
+        s_local //= tp
     pipe = _Pipe(schedule.lanes, (s_local, micro_batch_size, config.hidden_size),
                  config.pipeline_dtype or config.params_dtype,
                  next(stage_ddp.parameters()).device)

@@ -201,8 +201,7 @@ def _check_context_parallel(cfg: TrainConfig, m: ModelConfig, cp: int) -> None:
         raise ConfigError(f"--context-parallel-size {cp}: ring attention has no attention "
                           f"dropout, and {m.name} sets attention_dropout "
                           f"{m.attention_dropout}; use a config with attention_dropout: 0.0")
-    for flag, bad in (("--pipeline-model-parallel-size > 1", cfg.pipeline_model_parallel_size > 1),
-                      ("a MoE model", bool(m.num_experts)),
+    for flag, bad in (("a MoE model", bool(m.num_experts)),
                       ("--dhelix-peer", bool(cfg.dhelix.get("peer")))):
         if bad:
             raise ConfigError(f"--context-parallel-size {cp} with {flag}: not built yet "
