@@ -8,8 +8,8 @@ def _named_init(chunks):
     """Every parameter from a generator seeded by its global name (the unfolded model's,
     `build.global_names`), its TP rank if TP splits it and, for an expert, its EP rank
     (replicated parameters get one value on every rank that holds them): the same weights
-    whatever the pipeline placement, with no checkpoint (`--load` refuses expert
-    parallel). Norm weights keep megatron's init (ones)."""
+    whatever the pipeline placement, with no checkpoint (one launch fewer). Norm weights
+    keep megatron's init (ones)."""
     import torch
     from megatron.core import parallel_state
     from dhelix.train.build import named_parameters_global
@@ -41,3 +41,20 @@ def train_named_init(**kw):
         return train(TrainConfig(**kw))
     finally:
         build_mod.build = orig
+
+
+def save_counting_writes(**kw):
+    """`train` with --save, counting the checkpoint files this rank writes."""
+    from dhelix.train import checkpoint
+    orig, paths = checkpoint._write, []
+
+    def write(state, path):
+        paths.append(path)
+        return orig(state, path)
+    checkpoint._write = write
+    try:
+        kw.setdefault("quiet", True)
+        train(TrainConfig(**kw))
+    finally:
+        checkpoint._write = orig
+    return paths

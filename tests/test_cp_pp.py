@@ -15,6 +15,8 @@ interleaved schedule against 1F1B at the same CP, TP and EP — is bit for bit: 
 ops in the same order per micro-batch (untied embeddings, so no cross-stage sum of the
 embedding's two grads; 4 micro-batches, whose losses both loss stages average alike).
 """
+import os
+
 import pytest
 
 from dhelix.testing import run_ranks
@@ -237,3 +239,19 @@ def test_cp_with_pp_keeps_the_other_refusals():
     # and what it now builds passes
     assert preflight(TrainConfig(config="tiny-llama4", dhelix=FOLD, global_batch_size=8,
                                  **pp), 4) == []
+
+
+def test_checkpoint_written_once_per_file_with_cp(tmp_path):
+    """CP=2 × TP=2 (4 ranks) --save: each file is written by one rank (the two CP ranks of
+    a TP rank hold the same weights and used to race on one file's rename), and the
+    checkpoint loads at CP=2 × PP=2 (8 ranks) and trains."""
+    from cp_pp_fns import save_counting_writes
+    d = str(tmp_path / "ck")
+    common = dict(config="tiny4", tensor_model_parallel_size=2, sequence_parallel=True,
+                  context_parallel_size=2)
+    writes = [p for r in run_ranks(save_counting_writes, 4, timeout=300, train_iters=0,
+                                   save=d, **common) for p in r]
+    assert sorted(os.path.basename(p) for p in writes) == ["tp0-pp0.pt", "tp1-pp0.pt"]
+    r = run_ranks(train_result, 8, timeout=600, pipeline_model_parallel_size=2, load=d,
+                  train_iters=1, global_batch_size=4, **common)
+    assert all(x["losses"][0] == r[0]["losses"][0] for x in r)

@@ -48,8 +48,6 @@ def test_moe_flags_and_refusals():
                                                                  "divisible"),
         (dict(MOE, moe_router_topk=5), "'moe_router_topk' \\(5\\) must be between 1 and "
                                        "num_experts \\(4\\)"),
-        (dict(MOE, expert_model_parallel_size=2, save="ckpt"), "--save/--load with "
-                                                               "--expert-model-parallel"),
         (dict(MOE, dhelix={"peer": "intra-batch"}), "--dhelix-peer with a MoE model"),
         (dict(MOE, tensor_model_parallel_size=2, sequence_parallel=True,
               dhelix={"enabled": True}), "add --expert-tensor-parallel-size 1"),

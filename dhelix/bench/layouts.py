@@ -40,7 +40,7 @@ ROWS = (
     LayoutRow("TP×CP×DP", "tp8 × cp2 × dp4", tp=2, cp=2, dp=2),
     LayoutRow("TP×CP×PP×DP", "dp2 tp8 cp2 pp2 (A40, A800); dp1 tp8 cp4 pp2 (A800)",
               tp=2, cp=2, pp=2, dp=2),
-    LayoutRow("EP×DP×PP", "ep8 dp16 pp4 (MoE)", ep=2, dp=2, pp=2, config="tiny-moe"),
+    LayoutRow("EP×DP×PP", "ep8 dp16 pp4 (MoE)", ep=2, dp=2, pp=2, config="tiny-moe4"),
 )
 
 

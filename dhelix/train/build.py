@@ -99,10 +99,49 @@ def build(cfg, m, tconfig, layout, device, layer_module=None,
     return Built(chunks, mine, loss_stage)
 
 
+def expert_offsets(gpt) -> dict:
+    """Module name of each expert container in `gpt` (megatron's SequentialMLP,
+    `...mlp.experts`) -> the global index of its first local expert: megatron's own
+    convention (`SequentialMLP.sharded_state_dict`, `MoELayer.local_expert_indices`),
+    EP rank × local experts."""
+    out = {}
+    for name, mod in gpt.named_modules():
+        local = getattr(mod, "local_experts", None)
+        if not isinstance(local, torch.nn.ModuleList):
+            continue
+        group = getattr(mod, "ep_group", None)
+        if group is not None:
+            rank = group.rank()
+        else:
+            from megatron.core import parallel_state
+            rank = parallel_state.get_expert_model_parallel_rank()
+        out[name] = rank * len(local)
+    return out
+
+
+def _global_name(name: str, ids, experts: dict) -> str:
+    """A parameter's name in one GPT chunk -> its name in the unfolded model with every
+    expert at its global index: 'decoder.layers.1.mlp.experts.local_experts.0.x' on EP
+    rank 1 of 2 (2 local experts) in a chunk holding layers (6, 7) ->
+    'decoder.layers.7.mlp.experts.local_experts.2.x'."""
+    for mod, offset in experts.items():
+        head = mod + ".local_experts."
+        if name.startswith(head):
+            local, rest = name[len(head):].split(".", 1)
+            name = f"{head}{offset + int(local)}.{rest}"
+            break
+    if name.startswith("decoder.layers."):
+        local, rest = name[len("decoder.layers."):].split(".", 1)
+        name = f"decoder.layers.{ids[int(local)]}.{rest}"
+    return name
+
+
 def global_names(chunk) -> dict:
-    """Parameter name in `chunk` -> the name of that parameter in the unfolded, PP = 1
-    model ('decoder.layers.7.mlp.linear_fc1.weight'); a tied output layer maps to None
-    (the embedding holds it)."""
+    """Parameter name in `chunk` -> the name of that parameter in the unfolded, PP = 1,
+    EP = 1 model ('decoder.layers.7.mlp.linear_fc1.weight'; an expert by its global index,
+    'decoder.layers.7.mlp.experts.local_experts.3.linear_fc1.weight', so the names are
+    the same whatever the expert-parallel size); a tied output layer maps to None (the
+    embedding holds it)."""
     inner = chunk.module
     parts = [("front.", inner.front), ("back.", inner.back)] if isinstance(
         inner, FoldedStage) else [("", inner)]
@@ -110,15 +149,12 @@ def global_names(chunk) -> dict:
     seen = set()
     for prefix, gpt in parts:
         ids = gpt.layer_ids
+        experts = expert_offsets(gpt)
         for name, p in gpt.named_parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            g = name
-            if name.startswith("decoder.layers."):
-                local, rest = name[len("decoder.layers."):].split(".", 1)
-                g = f"decoder.layers.{ids[int(local)]}.{rest}"
-            out["module." + prefix + name] = g
+            out["module." + prefix + name] = _global_name(name, ids, experts)
     return out
 
 

@@ -225,10 +225,6 @@ def _check_experts(cfg: TrainConfig, m: ModelConfig, dp: int) -> int:
     if m.num_experts % ep:
         raise ConfigError(f"--num-experts {m.num_experts} is not divisible by "
                           f"--expert-model-parallel-size {ep}")
-    if ep > 1 and (cfg.save or cfg.load):
-        raise ConfigError(f"--save/--load with --expert-model-parallel-size {ep}: DHelix's "
-                          f"checkpoints name parameters globally and expert-parallel ranks "
-                          f"hold different experts under one local name; not written yet")
     if cfg.dhelix.get("peer"):
         raise ConfigError(f"--dhelix-peer with a MoE model ({m.name}): the intra-batch peer "
                           f"splits dense layers only; use --dhelix")
