@@ -98,6 +98,6 @@ def param_group_decay(**kw):
     layout = check_layout(cfg, m, dist.get_world_size())
     tconfig = setup_megatron(cfg, m, layout)
     built = build(cfg, m, tconfig, layout, torch.device("cpu"), DHelixLayer)
-    opt = build_optimizer(cfg, built.chunks, cfg.bf16)
+    opt = build_optimizer(cfg, built.chunks)
     decay = {id(p): g["weight_decay"] for g in opt.optimizer.param_groups for p in g["params"]}
     return {n: (tuple(p.shape), decay[id(p)]) for n, p in built.chunks[0].named_parameters()}

@@ -120,3 +120,34 @@ def test_fold_with_distributed_optimizer_and_delayed_gather(tmp_path):
     got, want = merge_stages(fold), merge_stages(base)
     assert same_runs(got, want, 1e-5, keys=("losses",)) <= 1e-5
     assert same_runs(got, want, 1e-3, keys=("weight_checksums",)) <= 1e-3
+
+
+@pytest.mark.parametrize("scale, iters", [(2.0 ** 32, 2), (2.0 ** 12, 6)],
+                         ids=["overflowing", "training"])
+def test_fp16_loss_scaling_dhelix_matches_megatron(scale, iters):
+    """--fp16 with megatron's dynamic loss scale: from 2^32 every step overflows and is
+    skipped (megatron's grad scaler lowers the scale, the weights stay); from 2^12 the loss
+    falls. --dhelix scales its loss the same way (the schedule's grad_scale_func) and
+    equals megatron bit for bit, skipped steps included."""
+    kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True, fp16=True,
+              micro_batch_size=2, global_batch_size=8, train_iters=iters, checksums=True,
+              initial_loss_scale=scale)
+    base = run_ranks(train_result, 2, timeout=600, **kw)
+    dh = run_ranks(train_result, 2, timeout=600, dhelix={"enabled": True}, **kw)
+    overflow = scale == 2.0 ** 32     # its gradients are inf/NaN by design: not compared
+    assert same_runs(dh, base, keys=("losses", "weight_checksums") if overflow else
+                     ("losses", "grad_checksums", "weight_checksums")) == 0.0
+    assert dh[0]["skipped_iters"] == base[0]["skipped_iters"]
+    if overflow:
+        assert base[0]["skipped_iters"] == list(range(1, iters + 1))
+    else:
+        assert base[0]["losses"][-1] < base[0]["losses"][0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(fp16=True, bf16=True), "give one"),
+    (dict(loss_scale=128.0), "add --fp16"),
+])
+def test_fp16_flags_checked(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        preflight(TrainConfig(config="tiny", **flags), 2)

@@ -76,6 +76,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="AdamW weight decay (default: %(default)s)")
     g.add_argument("--clip-grad", type=float, default=0.0,
                    help="clip the gradient norm to this; 0 = off (default: %(default)s)")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and math, fp32 main parameters, loss scaling "
+                        "(megatron's; --bf16 needs none)")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="with --fp16: a static loss scale (default: dynamic, starting at "
+                        "--initial-loss-scale, halved on an overflow, which skips the step)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32,
+                   help="with --fp16 (default: %(default)g)")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="(default: %(default)s)")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="(default: %(default)s)")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="(default: %(default)s)")
@@ -124,6 +132,7 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         use_distributed_optimizer=a.use_distributed_optimizer,
         overlap_param_gather=a.overlap_param_gather, adam_beta1=a.adam_beta1,
         adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, lr_decay_style=a.lr_decay_style,
+        fp16=a.fp16, loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
         lr_warmup_iters=a.lr_warmup_iters, lr_decay_iters=a.lr_decay_iters, min_lr=a.min_lr,
         recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers,

@@ -14,7 +14,7 @@ from dhelix.models.spec import block_spec
 
 
 def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
-                       bf16: bool = False, pp: int = 1, ep: int = 1,
+                       bf16: bool = False, fp16: bool = False, pp: int = 1, ep: int = 1,
                        etp: Optional[int] = None, cp: int = 1,
                        recompute_granularity: Optional[str] = None,
                        recompute_method: Optional[str] = None,
@@ -24,7 +24,7 @@ def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool =
     The recompute settings are megatron's (--recompute-*): its TransformerBlock
     checkpoints whole layers (full) or its attention the core (selective); under DHelix's
     schedule the layer nodes recompute instead (docs/recompute.md)."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -44,6 +44,7 @@ def transformer_config(m: ModelConfig, *, tp: int = 1, sequence_parallel: bool =
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=dtype,
         bf16=bf16,
+        fp16=fp16,
         pipeline_dtype=dtype,
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

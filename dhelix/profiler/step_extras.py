@@ -64,7 +64,7 @@ class StepPieces:
         self.chunk = built.chunks[0]
         self.gpt = self.chunk.module
         self.num_layers = len(self.gpt.decoder.layers)
-        self.optimizer = build_optimizer(cfg, built.chunks, cfg.bf16)
+        self.optimizer = build_optimizer(cfg, built.chunks)
         self.device = device
         # one micro-batch on this rank: with CP, its share of every sequence
         s = cfg.seq_length // self.layout.cp

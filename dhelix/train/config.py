@@ -31,6 +31,9 @@ class TrainConfig:
     train_iters: int = 20
     seed: int = 1234
     bf16: bool = False
+    fp16: bool = False                           # fp16 parameters, loss scaling (megatron's)
+    loss_scale: Optional[float] = None           # static; None: dynamic, from initial
+    initial_loss_scale: float = 2.0 ** 32
     layer_spec: str = "dhelix"                   # dhelix | megatron-local (baseline only)
     lr: float = 1e-3
     weight_decay: float = 0.0

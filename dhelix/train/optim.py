@@ -24,6 +24,12 @@ def check_optimizer(cfg, layout) -> None:
     for flag, v in (("--adam-beta1", cfg.adam_beta1), ("--adam-beta2", cfg.adam_beta2)):
         if not 0 <= v < 1:
             raise ConfigError(f"{flag} {v}: must be in [0, 1)")
+    if cfg.fp16 and cfg.bf16:
+        raise ConfigError("--fp16 and --bf16: give one")
+    if (cfg.loss_scale is not None or cfg.initial_loss_scale != 2.0 ** 32) and not cfg.fp16:
+        raise ConfigError("--loss-scale/--initial-loss-scale scale an fp16 loss: add --fp16")
+    if (cfg.loss_scale is not None and cfg.loss_scale <= 0) or cfg.initial_loss_scale <= 0:
+        raise ConfigError("--loss-scale and --initial-loss-scale must be positive")
     if cfg.weight_decay < 0 or cfg.clip_grad < 0:
         raise ConfigError("--weight-decay and --clip-grad must be >= 0")
     if not 0 <= cfg.min_lr <= cfg.lr:
@@ -46,7 +52,9 @@ class TrainOptimizer:
         self.optimizer.zero_grad()
 
     def step(self):
-        """(applied, the gradient norm megatron computed before clipping)."""
+        """(applied, the gradient norm megatron computed before clipping). Not applied:
+        with --fp16 an overflow (the loss scale is lowered), otherwise a non-finite
+        gradient."""
         from dhelix.compat.cpu import cuda_type_names
         with cuda_type_names():       # megatron's grad-norm code checks the type too, on CPU
             ok, grad_norm, _ = self.optimizer.step()
@@ -58,11 +66,16 @@ class TrainOptimizer:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    @property
+    def loss_scale(self) -> float:
+        return float(self.optimizer.get_loss_scale())
 
-def build_optimizer(cfg, chunks, bf16: bool) -> TrainOptimizer:
+
+def build_optimizer(cfg, chunks) -> TrainOptimizer:
     """megatron-core's Adam over the DDP-wrapped chunks, with Megatron-LM's standard
     parameter groups (no weight decay on biases and 1-D parameters) and its scheduler in
-    iterations (--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr)."""
+    iterations (--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr). With
+    --fp16 megatron's grad scaler, and the chunks' schedules scale the loss by it."""
     import torch
     from megatron.core.optimizer import (OptimizerConfig, get_megatron_optimizer,
                                          get_standard_config_overrides)
@@ -72,13 +85,18 @@ def build_optimizer(cfg, chunks, bf16: bool) -> TrainOptimizer:
     config = OptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad, bf16=bf16, fp16=False,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        clip_grad=cfg.clip_grad, bf16=cfg.bf16, fp16=cfg.fp16, loss_scale=cfg.loss_scale,
+        initial_loss_scale=cfg.initial_loss_scale,
+        params_dtype=torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else
+        torch.float32,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         overlap_param_gather=cfg.overlap_param_gather)
     with cuda_type_names():
         optimizer = get_megatron_optimizer(config, list(chunks),
                                            get_standard_config_overrides(config))
+    if cfg.fp16:         # megatron's schedules multiply the loss by it before backward
+        for c in chunks:
+            c.config.grad_scale_func = optimizer.scale_loss
     decay = cfg.lr_decay_iters or max(cfg.train_iters, 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr,

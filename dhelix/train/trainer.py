@@ -70,7 +70,7 @@ def setup_megatron(cfg: TrainConfig, m: ModelConfig, layout: Layout):
     torch.manual_seed(cfg.seed)
     model_parallel_cuda_manual_seed(cfg.seed)
     tconfig = transformer_config(m, tp=layout.tp, sequence_parallel=cfg.sequence_parallel,
-                                 bf16=cfg.bf16, pp=layout.pp, ep=layout.ep,
+                                 bf16=cfg.bf16, fp16=cfg.fp16, pp=layout.pp, ep=layout.ep,
                                  etp=layout.etp, cp=layout.cp,
                                  recompute_granularity=cfg.recompute_granularity,
                                  recompute_method=cfg.recompute_method,
@@ -131,7 +131,7 @@ def train(cfg: TrainConfig) -> dict:
         guard_param_gather(chunks)
     schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
     from dhelix.train.optim import build_optimizer
-    optimizer = build_optimizer(cfg, chunks, cfg.bf16)
+    optimizer = build_optimizer(cfg, chunks)
     dp_rank = parallel_state.get_data_parallel_rank()
 
     def stream():
@@ -159,7 +159,7 @@ def train(cfg: TrainConfig) -> dict:
     losses, times, grad_sums, idle = [], [], [], []
     memory = StepMemory(info.device)
     act_peaks, total_peaks = [], []      # per iteration, bytes
-    lrs, grad_norms = [], []
+    lrs, grad_norms, skipped = [], [], []
     from dhelix.train.dist import report_progress
     started = time.perf_counter()
     for it in range(cfg.train_iters):
@@ -178,12 +178,18 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.checksums:
             grad_sums.append(checksums(chunks, "main_grad"))
         lr = optimizer.lr                  # the rate this step applies
+        scale = optimizer.loss_scale
         ok, grad_norm = optimizer.step()
         lrs.append(lr)
         grad_norms.append(grad_norm)
-        if not ok:
+        if not ok and not cfg.fp16:
             raise FloatingPointError(f"the optimizer skipped iteration {it + 1} (a non-finite "
                                      f"gradient)")
+        if not ok:          # fp16: an overflow at this loss scale; megatron lowers it
+            skipped.append(it + 1)
+            if rank0:
+                print(f" iter {it + 1:4d}/{cfg.train_iters} | skipped: gradient overflow at "
+                      f"loss scale {scale:g}, now {optimizer.loss_scale:g}", flush=True)
         total_peaks.append(memory.total_peak())
         loss = _average_loss([o["lm loss"].item() for o in out], info.device, loss_rank)
         dt = time.perf_counter() - t0
@@ -199,6 +205,7 @@ def train(cfg: TrainConfig) -> dict:
                   f"{tokens_per_step / dt:9.0f} tokens/s | {dt * 1000:7.1f} ms | "
                   f"peak act. {act_peaks[-1] / 2**20:.2f} MiB | lr {lr:.3e} | "
                   f"{f'grad norm {grad_norm:.3f} | ' if grad_norm is not None else ''}"
+                  f"{f'loss scale {optimizer.loss_scale:g} | ' if cfg.fp16 else ''}"
                   f"{progress_clock(time.perf_counter() - started, times, cfg.train_iters)}",
                   flush=True)
     if cfg.overlap_param_gather:
@@ -244,6 +251,7 @@ def train(cfg: TrainConfig) -> dict:
         "losses": losses,
         "learning_rates": lrs,
         "grad_norms": grad_norms,        # megatron's, before clipping
+        "skipped_iters": skipped,        # fp16: overflows, the loss scale lowered
         "eval_loss": eval_loss,
         "step_times_s": times,
         "tokens_per_s": tokens_per_step * len(steady) / sum(steady),
