@@ -46,7 +46,7 @@ ARGPARSE_OK = {
 }
 
 COMMANDS = ["train", "demo", "make-corpus", "profile", "validate-model", "plan", "simulate",
-            "plan-sweep", "bench", "helix-bench"]
+            "plan-sweep", "bench", "layouts", "helix-bench"]
 
 
 def _modules():
