@@ -8,15 +8,16 @@ Applied only when CUDA is absent, by `apply()`; nothing else in DHelix patches m
       synchronized, as on CUDA (`_D2HEvent`).
   (g) the MoE router's GEMM without Transformer Engine (`_moe_router_without_te`).
   (h) context parallel: the RoPE table's slice for this CP rank (`_cp_rope_slice_on_host`).
-  (i) megatron's optimizers check at construction that every parameter is a
-      `torch.cuda.*Tensor` (`param.type()`): `cuda_type_names()` answers so for CPU
-      tensors while one is built (`train/optim.py`).
   (d) the model-parallel RNG tracker keeps CUDA generator states: a tracker with the same
       interface keeps CPU generator states instead, seeded by
       `model_parallel_cuda_manual_seed` as usual.
   (i) activation recompute (`tensor_parallel.checkpoint`) saves and restores the CUDA
       generator's state beside the CPU one and the tracker's: there is none on CPU
       (`_no_cuda_rng_state`).
+  (j) megatron's optimizers check that every parameter is a `torch.cuda.*Tensor`
+      (`param.type()`, when built and in the grad norm): `cuda_type_names()` answers so
+      for CPU tensors while one is built or steps (`train/optim.py`); its buffers and
+      flags are allocated on `torch.cuda.current_device()`, as in (c).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ _BUFFER_MODULES = (
     "megatron.core.transformer.moe.token_dispatcher",   # (f) its side stream, below
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.router",
-    "megatron.core.optimizer.optimizer",          # (i) the optimizer's flags and norms
+    "megatron.core.optimizer.optimizer",          # (j) the optimizer's flags and norms
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.grad_scaler",
@@ -275,7 +276,7 @@ _CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor",
 
 @contextlib.contextmanager
 def cuda_type_names():
-    """(i) While megatron builds an optimizer on CPU: `t.type()` of a CPU float tensor
+    """(j) While megatron builds an optimizer on CPU: `t.type()` of a CPU float tensor
     names its CUDA type, the only kind megatron's optimizers wrap. Nothing on CUDA."""
     if torch.cuda.is_available():
         yield
