@@ -16,6 +16,7 @@ ops in the same order per micro-batch (untied embeddings, so no cross-stage sum 
 embedding's two grads; 4 micro-batches, whose losses both loss stages average alike).
 """
 import os
+import re
 
 import pytest
 
@@ -179,10 +180,13 @@ def test_ep2_pp2_fold_trains_like_1f1b(tmp_path):
     assert fold[0]["config"]["num_microbatches"] == 4
     merged = merge_stages(fold)
     assert len(merged) == 2                                  # two DP (= EP) positions
-    # the two EP ranks hold different experts: their expert weights differ
-    e = [n for n in merged[0]["weight_checksums"] if ".experts." in n]
-    assert e and any(merged[0]["weight_checksums"][n] != merged[1]["weight_checksums"][n]
-                     for n in e)
+    # the two EP ranks hold different experts, named by their global index: two halves
+    # of experts 0-3 in each of the 4 layers
+    held = [{(m.group(1), m.group(2)) for n in pos["weight_checksums"]
+             for m in [re.search(r"layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.", n)]
+             if m} for pos in merged]
+    assert not held[0] & held[1]
+    assert held[0] | held[1] == {(str(layer), str(e)) for layer in range(4) for e in range(4)}
     assert same_runs(merged, merge_stages(base)) == 0.0
     assert fold[0]["losses"][-1] < fold[0]["losses"][0]
 
