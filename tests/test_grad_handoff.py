@@ -227,7 +227,8 @@ def input_freed(tiles):
 
     mb, refs = forward()
     steps = SimpleNamespace(body_params=[emb_w, head_w],
-                            config=SimpleNamespace(grad_scale_func=None), model_type=None)
+                            config=SimpleNamespace(grad_scale_func=None), model_type=None,
+                            tracer=None)
     walk = BackwardWalk(mb, steps, "B1")
     out = {"mb_nodes": len(mb.nodes), "nodes": []}
     walk.post()

@@ -32,7 +32,11 @@ def test_install_hook_swaps_only_with_flag():
     try:
         assert install(_args("--dhelix")) is True
         fb = pipeline_parallel.get_forward_backward_func()
-        assert isinstance(fb, functools.partial) and fb.func is forward_backward_dhelix
+        # DHelix's forward-backward, behind the --overlap-param-gather layer wait
+        # (megatron/param_gather.py), under its name
+        assert isinstance(fb, functools.partial)
+        assert fb.func.__wrapped__ is forward_backward_dhelix
+        assert fb.func.__name__ == "forward_backward_dhelix"
         assert gpt_layer_specs.get_gpt_layer_local_spec().module is DHelixLayer
     finally:
         uninstall()
