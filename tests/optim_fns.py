@@ -101,3 +101,14 @@ def param_group_decay(**kw):
     opt = build_optimizer(cfg, built.chunks)
     decay = {id(p): g["weight_decay"] for g in opt.optimizer.param_groups for p in g["params"]}
     return {n: (tuple(p.shape), decay[id(p)]) for n, p in built.chunks[0].named_parameters()}
+
+
+def train_many(runs):
+    """Several `train` runs one after another in one launch of the ranks (the process
+    start and megatron's import are most of a small run): `runs` is a list of
+    (delayed, TrainConfig keywords); returns their results, in order."""
+    out = []
+    for delayed, kw in runs:
+        kw = dict(kw, quiet=True)
+        out.append(train_delayed(**kw) if delayed else train(TrainConfig(**kw)))
+    return out

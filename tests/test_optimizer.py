@@ -8,7 +8,7 @@ from compare import same_numbers, same_runs
 from dhelix.models.config import ConfigError
 from dhelix.testing import RankError, run_ranks
 from dhelix.train.config import TrainConfig, preflight
-from optim_fns import layers_guarded, train_delayed
+from optim_fns import layers_guarded, train_delayed, train_many
 from train_fns import train_result
 
 # tiny, TP=2+SP × DP=2 on 4 ranks, 4 micro-batches per step
@@ -18,32 +18,33 @@ TP2_DP2 = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=Tr
                overlap_param_gather=True, clip_grad=1.0, weight_decay=0.01)
 
 
+def _by_run(results):
+    """run_ranks(train_many) gives each rank's list of runs: each run's list of ranks."""
+    return [list(r) for r in zip(*results)]
+
+
 def test_distributed_optimizer_dhelix_matches_megatron():
     """--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, TP=2+SP ×
-    DP=2: --dhelix equals megatron's schedule bit for bit (losses, every step's gradient
-    shard checksums, final weights), and the layout trains like the plain optimizer
-    (losses ≤1e-5: a reduce-scatter then all-gather adds in another order than an
-    all-reduce)."""
-    base = run_ranks(train_result, 4, timeout=600, **TP2_DP2)
-    dh = run_ranks(train_result, 4, timeout=600, dhelix={"enabled": True}, **TP2_DP2)
-    assert dh[0]["config"]["schedule"] == "dhelix"
-    assert same_runs(dh, base) == 0.0
-    plain = run_ranks(train_result, 4, timeout=600, **{
-        **TP2_DP2, "use_distributed_optimizer": False, "overlap_param_gather": False})
-    assert same_numbers([r["losses"] for r in plain][0], base[0]["losses"], 1e-5,
-                        "losses, plain vs distributed optimizer") <= 1e-5
-
-
-def test_delayed_param_gather_changes_no_bit():
-    """Every overlapped parameter gather delayed until someone waits for it (the other
-    ranks' parts are NaN until then): DHelix's run is bit-identical to the undelayed one.
-    With DHelix's layer guard switched off the same run reads NaN weights and fails —
+    DP=2 (one launch of 4 ranks, four runs):
+    - --dhelix equals megatron's schedule bit for bit (losses, every step's gradient shard
+      checksums, final weights);
+    - every overlapped parameter gather delayed until someone waits for it (the other
+      ranks' parts NaN until then): the --dhelix run is bit-identical to the undelayed one;
+    - the layout trains like the plain optimizer (losses ≤1e-5: a reduce-scatter then an
+      all-gather adds in another order than an all-reduce).
+    With DHelix's layer wait switched off the delayed run reads NaN weights and fails —
     megatron's own hooks do not cover DHelix's ops."""
     dh = {"enabled": True}
-    ref = run_ranks(train_result, 4, timeout=600, dhelix=dh, **TP2_DP2)
-    late = run_ranks(train_delayed, 4, timeout=600, dhelix=dh, **TP2_DP2)
+    plain = {**TP2_DP2, "use_distributed_optimizer": False, "overlap_param_gather": False}
+    base, ref, late, flat = _by_run(run_ranks(train_many, 4, [
+        (False, TP2_DP2), (False, dict(TP2_DP2, dhelix=dh)),
+        (True, dict(TP2_DP2, dhelix=dh)), (False, plain)], timeout=900))
+    assert ref[0]["config"]["schedule"] == "dhelix"
+    assert same_runs(ref, base) == 0.0
     assert all(r["delayed_gathers"] >= 3 for r in late)
     assert same_runs(late, ref) == 0.0
+    assert same_numbers(flat[0]["losses"], base[0]["losses"], 1e-5,
+                        "losses, plain vs distributed optimizer") <= 1e-5
     with pytest.raises(RankError, match="nan|NaN|non-finite"):
         run_ranks(train_delayed, 4, timeout=300, guard=False, dhelix=dh, **TP2_DP2)
 
@@ -75,8 +76,8 @@ def test_bf16_dhelix_matches_megatron():
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True, bf16=True,
               micro_batch_size=2, global_batch_size=8, train_iters=3, checksums=True,
               use_distributed_optimizer=True)
-    base = run_ranks(train_result, 2, timeout=600, **kw)
-    dh = run_ranks(train_result, 2, timeout=600, dhelix={"enabled": True}, **kw)
+    base, dh = _by_run(run_ranks(train_many, 2, [(False, kw), (False, dict(
+        kw, dhelix={"enabled": True}))], timeout=600))
     assert same_runs(dh, base) == 0.0
     assert base[0]["losses"][-1] < base[0]["losses"][0]
 
@@ -113,9 +114,8 @@ def test_fold_with_distributed_optimizer_and_delayed_gather(tmp_path):
     kw = dict(common, train_iters=3, load=ckpt, global_batch_size=8,
               pipeline_model_parallel_size=2, checksums=True, use_distributed_optimizer=True,
               overlap_grad_reduce=True, overlap_param_gather=True)
-    base = run_ranks(train_result, 4, timeout=600, **kw)
-    fold = run_ranks(train_delayed, 4, timeout=600, dhelix={"enabled": True, "fold": True},
-                     **kw)
+    base, fold = _by_run(run_ranks(train_many, 4, [(False, kw), (True, dict(
+        kw, dhelix={"enabled": True, "fold": True}))], timeout=900))
     assert fold[0]["config"]["schedule"] == "dhelix-fold"
     got, want = merge_stages(fold), merge_stages(base)
     assert same_runs(got, want, 1e-5, keys=("losses",)) <= 1e-5
@@ -132,8 +132,8 @@ def test_fp16_loss_scaling_dhelix_matches_megatron(scale, iters):
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True, fp16=True,
               micro_batch_size=2, global_batch_size=8, train_iters=iters, checksums=True,
               initial_loss_scale=scale)
-    base = run_ranks(train_result, 2, timeout=600, **kw)
-    dh = run_ranks(train_result, 2, timeout=600, dhelix={"enabled": True}, **kw)
+    base, dh = _by_run(run_ranks(train_many, 2, [(False, kw), (False, dict(
+        kw, dhelix={"enabled": True}))], timeout=600))
     overflow = scale == 2.0 ** 32     # its gradients are inf/NaN by design: not compared
     assert same_runs(dh, base, keys=("losses", "weight_checksums") if overflow else
                      ("losses", "grad_checksums", "weight_checksums")) == 0.0
