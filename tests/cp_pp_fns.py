@@ -58,3 +58,8 @@ def save_counting_writes(**kw):
     finally:
         checkpoint._write = orig
     return paths
+
+
+def train_named_init_many(runs):
+    """`train_named_init` for each keyword dict of `runs`, in one launch of the ranks."""
+    return [train_named_init(**kw) for kw in runs]

@@ -125,13 +125,13 @@ def test_cp2_tp2_sp_pp2_fold_trains_like_1f1b():
     tiny-llama4 with seq 16, 2 steps of 4 micro-batches (8 ranks share 2 cores). Both
     from the same weights, set by global name and TP rank (`cp_pp_fns.train_named_init`;
     no checkpoint run, to save the time of one more launch)."""
-    from cp_pp_fns import train_named_init
+    from cp_pp_fns import train_named_init_many
     kw = dict(config="tiny-llama4", micro_batch_size=1, seq_length=16, data="synthetic",
               tensor_model_parallel_size=2, sequence_parallel=True, train_iters=2,
               global_batch_size=4, checksums=True, pipeline_model_parallel_size=2,
               context_parallel_size=2)
-    base = run_ranks(train_named_init, 8, timeout=500, **kw)
-    fold = run_ranks(train_named_init, 8, timeout=500, dhelix=FOLD, **kw)
+    base, fold = [list(r) for r in zip(*run_ranks(
+        train_named_init_many, 8, [kw, dict(kw, dhelix=FOLD)], timeout=700))]
     assert fold[0]["config"]["schedule"] == "dhelix-fold"
     assert sorted((x["coords"]["tp"], x["coords"]["cp"], x["coords"]["pp"]) for x in fold) \
         == [(t, c, p) for t in (0, 1) for c in (0, 1) for p in (0, 1)]
@@ -166,15 +166,15 @@ def test_ep2_pp2_fold_trains_like_1f1b(tmp_path):
     the two DP ranks, --expert-tensor-parallel-size 1): the fold against megatron's 1F1B.
     Both from the same weights, set by global name (`cp_pp_fns.train_named_init`:
     --load refuses expert parallel); bit for bit, as the dense fold (untied)."""
-    from cp_pp_fns import train_named_init
+    from cp_pp_fns import train_named_init_many
     cfg = tmp_path / "tiny-moe4.yaml"
     cfg.write_text(TINY_MOE4)
     kw = dict(config=str(cfg), micro_batch_size=1, seq_length=32, data="synthetic",
               global_batch_size=8, train_iters=3, checksums=True,
               pipeline_model_parallel_size=2, expert_model_parallel_size=2,
               expert_tensor_parallel_size=1)
-    base = run_ranks(train_named_init, 4, timeout=400, **kw)
-    fold = run_ranks(train_named_init, 4, timeout=400, dhelix=FOLD, **kw)
+    base, fold = [list(r) for r in zip(*run_ranks(
+        train_named_init_many, 4, [kw, dict(kw, dhelix=FOLD)], timeout=600))]
     assert base[0]["config"]["model"]["num_experts"] == 4
     assert fold[0]["config"]["schedule"] == "dhelix-fold"
     assert fold[0]["config"]["num_microbatches"] == 4
