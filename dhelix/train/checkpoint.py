@@ -102,6 +102,17 @@ def save(chunks, directory: str, tp_size: int) -> str:
     return path
 
 
+def _one_save(directory: str, seen: dict, field: str, value, f: str) -> None:
+    """Files of one save agree on `field`; `seen` maps each value met to its first file."""
+    seen.setdefault(value, f)
+    if len(seen) > 1:
+        (a, fa), (b, fb) = sorted(seen.items())
+        raise CheckpointError(
+            f"--load {directory}: files of two checkpoints mixed in one folder: "
+            f"{os.path.basename(fa)} has {field} {a}, {os.path.basename(fb)} {field} {b}; "
+            f"--save into an empty folder")
+
+
 def _read(f: str) -> dict:
     try:
         d = torch.load(f, map_location="cpu", weights_only=True)
@@ -132,13 +143,7 @@ def load(chunks, directory: str, tp_size: int) -> int:
 
     def take(f, d):
         if "pp_size" in d:
-            pp_sizes.setdefault(d["pp_size"], f)
-            if len(pp_sizes) > 1:
-                (a, fa), (b, fb) = sorted(pp_sizes.items())
-                raise CheckpointError(
-                    f"--load {directory}: files of two checkpoints mixed in one folder: "
-                    f"{os.path.basename(fa)} has pp_size {a}, {os.path.basename(fb)} "
-                    f"pp_size {b}; --save into an empty folder")
+            _one_save(directory, pp_sizes, "pp_size", d["pp_size"], f)
         for g, t in d["params"].items():
             if g in need:
                 state[g], where[g] = t, f
@@ -178,13 +183,7 @@ def load(chunks, directory: str, tp_size: int) -> int:
                     f"--expert-tensor-parallel-size {d.get('expert_tp_size')}), this run has "
                     f"{etp_size}; load with --expert-tensor-parallel-size "
                     f"{d.get('expert_tp_size')}")
-            ep_sizes.setdefault(d.get("ep_size"), f)
-            if len(ep_sizes) > 1:
-                (a, fa), (b, fb) = sorted(ep_sizes.items())
-                raise CheckpointError(
-                    f"--load {directory}: files of two checkpoints mixed in one folder: "
-                    f"{os.path.basename(fa)} has ep_size {a}, {os.path.basename(fb)} "
-                    f"ep_size {b}; --save into an empty folder")
+            _one_save(directory, ep_sizes, "ep_size", d.get("ep_size"), f)
             take(f, d)
     n = 0
     with torch.no_grad():
