@@ -88,9 +88,9 @@ def build(cfg, m, tconfig, layout, device, layer_module=None,
         use_distributed_optimizer=cfg.use_distributed_optimizer,
         overlap_param_gather=cfg.overlap_param_gather,
         bucket_size=None if not cfg.overlap_grad_reduce else 40000)
-    if cfg.bf16 or getattr(cfg, "fp16", False):    # every parameter, norms too, in the
-        half = torch.bfloat16 if cfg.bf16 else torch.float16   # 16-bit type, as megatron's
-        modules = [mod.to(half) for mod in modules]            # Float16Module casts them
+    if cfg.bf16 or cfg.fp16:   # every parameter, norms too, in the 16-bit type, as
+        half = torch.bfloat16 if cfg.bf16 else torch.float16   # megatron's Float16Module
+        modules = [mod.to(half) for mod in modules]
     chunks = [DistributedDataParallel(config=tconfig, ddp_config=ddp_config,
                                       module=mod.to(device)) for mod in modules]
     tconfig.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else \
