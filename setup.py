@@ -27,6 +27,7 @@ setup(
         "pyyaml",
         "matplotlib",
         "tqdm",
+        "psutil",       # megatron's checkpoint writer (dist_checkpointing) needs it
     ],
     extras_require={
         # the test suite also imports Megatron-LM's training code (megatron.training needs

@@ -43,23 +43,6 @@ def train_named_init(**kw):
         build_mod.build = orig
 
 
-def save_counting_writes(**kw):
-    """`train` with --save, counting the checkpoint files this rank writes."""
-    from dhelix.train import checkpoint
-    orig, paths = checkpoint._write, []
-
-    def write(state, path):
-        paths.append(path)
-        return orig(state, path)
-    checkpoint._write = write
-    try:
-        kw.setdefault("quiet", True)
-        train(TrainConfig(**kw))
-    finally:
-        checkpoint._write = orig
-    return paths
-
-
 def train_named_init_many(runs):
     """`train_named_init` for each keyword dict of `runs`, in one launch of the ranks."""
     return [train_named_init(**kw) for kw in runs]

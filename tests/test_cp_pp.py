@@ -55,7 +55,7 @@ def cp2_pp2(tmp_path_factory):
     common = dict(config="tiny-llama4", micro_batch_size=1, seq_length=32,
                   data="synthetic")
     run_ranks(train_result, 1, timeout=200, train_iters=0, save=d, **common)
-    kw = dict(common, train_iters=CP_STEPS, load=d, global_batch_size=4, checksums=True,
+    kw = dict(common, train_iters=CP_STEPS, load=d, finetune=True, global_batch_size=4, checksums=True,
               eval_iters=1)
     out = {"pp1": run_ranks(train_result, 1, timeout=300, **kw)}
     pp = dict(kw, pipeline_model_parallel_size=2)
@@ -245,17 +245,15 @@ def test_cp_with_pp_keeps_the_other_refusals():
                                  **pp), 4) == []
 
 
-def test_checkpoint_written_once_per_file_with_cp(tmp_path):
-    """CP=2 × TP=2 (4 ranks) --save: each file is written by one rank (the two CP ranks of
-    a TP rank hold the same weights and used to race on one file's rename), and the
-    checkpoint loads at CP=2 × PP=2 (8 ranks) and trains."""
-    from cp_pp_fns import save_counting_writes
+def test_checkpoint_from_cp_loads_at_cp_pp(tmp_path):
+    """CP=2 × TP=2 (4 ranks) --save; the checkpoint loads at CP=2 × PP=2 (8 ranks) and
+    trains (dist_checkpointing: the CP ranks' identical weights are one shard's replicas,
+    written once)."""
     d = str(tmp_path / "ck")
     common = dict(config="tiny4", tensor_model_parallel_size=2, sequence_parallel=True,
                   context_parallel_size=2)
-    writes = [p for r in run_ranks(save_counting_writes, 4, timeout=300, train_iters=0,
-                                   save=d, **common) for p in r]
-    assert sorted(os.path.basename(p) for p in writes) == ["tp0-pp0.pt", "tp1-pp0.pt"]
-    r = run_ranks(train_result, 8, timeout=600, pipeline_model_parallel_size=2, load=d,
+    run_ranks(train_result, 4, timeout=300, train_iters=0, save=d, **common)
+    assert open(os.path.join(d, "latest_checkpointed_iteration.txt")).read() == "0"
+    r = run_ranks(train_result, 8, timeout=600, pipeline_model_parallel_size=2, load=d, finetune=True,
                   train_iters=1, global_batch_size=4, **common)
     assert all(x["losses"][0] == r[0]["losses"][0] for x in r)

@@ -89,7 +89,7 @@ def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", pp=2, steps=STEPS, *
     common = dict(config=config, tensor_model_parallel_size=tp,
                   sequence_parallel=tp > 1, micro_batch_size=1)
     run_ranks(train_result, tp, timeout=300, train_iters=0, save=d, **common)
-    kw = dict(common, train_iters=steps, load=d, global_batch_size=nmb * world // (pp * tp),
+    kw = dict(common, train_iters=steps, load=d, finetune=True, global_batch_size=nmb * world // (pp * tp),
               pipeline_model_parallel_size=pp, checksums=True, **kw)
     base = run_ranks(train_result, world, timeout=600, **kw)
     dh = run_ranks(train_result, world, timeout=600, dhelix={"enabled": True, "fold": True},
@@ -129,12 +129,12 @@ def test_checkpoint_moves_between_fold_and_unfolded(tmp_path):
     kw = dict(config="tiny4", micro_batch_size=1, global_batch_size=4, eval_iters=2)
     run_ranks(train_result, 2, timeout=300, train_iters=3, save=a,
               pipeline_model_parallel_size=2, dhelix={"enabled": True, "fold": True}, **kw)
-    fold_eval = run_ranks(train_result, 2, timeout=300, train_iters=0, load=a, save=a + "2",
+    fold_eval = run_ranks(train_result, 2, timeout=300, train_iters=0, load=a, finetune=True, save=a + "2",
                           pipeline_model_parallel_size=2,
                           dhelix={"enabled": True, "fold": True}, **kw)[0]["eval_loss"]
-    flat = run_ranks(train_result, 1, timeout=300, train_iters=0, load=a, save=b,
+    flat = run_ranks(train_result, 1, timeout=300, train_iters=0, load=a, finetune=True, save=b,
                      **kw)[0]["eval_loss"]
-    back = run_ranks(train_result, 2, timeout=300, train_iters=0, load=b, save=b + "2",
+    back = run_ranks(train_result, 2, timeout=300, train_iters=0, load=b, finetune=True, save=b + "2",
                      pipeline_model_parallel_size=2, dhelix={"enabled": True, "fold": True},
                      **kw)[0]["eval_loss"]
     assert fold_eval is not None

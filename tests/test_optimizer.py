@@ -111,7 +111,7 @@ def test_fold_with_distributed_optimizer_and_delayed_gather(tmp_path):
     ckpt = str(tmp_path / "init")
     common = dict(config="tiny-llama4", micro_batch_size=1)
     run_ranks(train_result, 1, timeout=300, train_iters=0, save=ckpt, **common)
-    kw = dict(common, train_iters=3, load=ckpt, global_batch_size=8,
+    kw = dict(common, train_iters=3, load=ckpt, finetune=True, global_batch_size=8,
               pipeline_model_parallel_size=2, checksums=True, use_distributed_optimizer=True,
               overlap_grad_reduce=True, overlap_param_gather=True)
     base, fold = _by_run(run_ranks(train_many, 4, [(False, kw), (True, dict(

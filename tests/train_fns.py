@@ -225,7 +225,7 @@ def eval_from_checkpoint(scratch, ckpt_iters, **kw):
         patch(DHelixLayer, "forward", count("dhelix_layer_forwards"))
         patch(LayerNode, "__init__", count("nodes"))
         try:
-            res = train(TrainConfig(**kw, train_iters=0, load=ckpt, save=f"{scratch}/{name}",
+            res = train(TrainConfig(**kw, train_iters=0, load=ckpt, finetune=True, save=f"{scratch}/{name}",
                                     dhelix=opts))
         finally:
             for owner, attr, orig in reversed(patched):

@@ -99,11 +99,23 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=int, default=1,
                    help="print every N steps (default: %(default)s)")
     g.add_argument("--json", default=None, help="write config, losses, tokens/s, peak memory")
+    g = p.add_argument_group("checkpoints (megatron's torch_dist format, Megatron-LM's "
+                             "layout and flags)")
     g.add_argument("--save", default=None, metavar="DIR",
-                   help="write the final weights there, named as in the PP = 1 model "
-                        "(loads into any pipeline layout with the same TP)")
-    g.add_argument("--load", default=None, metavar="DIR", help="start from the weights a "
-                                                               "--save wrote")
+                   help="save model, optimizer, iteration, data position and RNG states to "
+                        "DIR/iter_NNNNNNN at the end (and every --save-interval steps)")
+    g.add_argument("--save-interval", type=int, default=None, metavar="N",
+                   help="with --save: also save every N iterations")
+    g.add_argument("--load", default=None, metavar="DIR",
+                   help="resume from the latest save under DIR (its "
+                        "latest_checkpointed_iteration.txt): a --save of dhelix train or "
+                        "Megatron-LM's torch_dist; any TP/PP/EP/CP layout")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --load: the weights only; iteration 0, fresh optimizer")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="with --load: not the optimizer state (nor the scheduler's)")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="with --load: not the RNG states")
     g.add_argument("--checksums", action="store_true",
                    help="with --json: also per-parameter sums of every step's gradient and "
                         "of the final weights (to compare two runs exactly)")
@@ -122,7 +134,8 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         expert_tensor_parallel_size=a.expert_tensor_parallel_size,
         num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
         moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
-        save=a.save, load=a.load,
+        save=a.save, load=a.load, save_interval=a.save_interval, finetune=a.finetune,
+        no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng,
         data_parallel_size=a.data_parallel_size, sequence_parallel=a.sequence_parallel,
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
         seq_length=a.seq_length, train_iters=a.train_iters, seed=a.seed, bf16=a.bf16,

@@ -18,6 +18,14 @@ Applied only when CUDA is absent, by `apply()`; nothing else in DHelix patches m
       (`param.type()`, when built and in the grad norm): `cuda_type_names()` answers so
       for CPU tensors while one is built or steps (`train/optim.py`); its buffers and
       flags are allocated on `torch.cuda.current_device()`, as in (c).
+  (k) dist_checkpointing (checkpoints, `train/checkpoint.py`) waits for the device before
+      copying tensors to host (`torch.cuda.synchronize()`: nothing to wait for on CPU)
+      and broadcasts its failure flags on `torch.cuda.current_device()`, as in (c).
+  (l) megatron's checkpoint writer hands its write results back through a queue served by
+      a spawned Manager process, made for asynchronous saves; that process outlives a
+      rank killed or terminated mid-run and keeps the launcher's pipes open. DHelix saves
+      synchronously (in the saving process), so a plain in-process queue carries them
+      (`_in_process_write_results`, on any device, like (g)).
 """
 from __future__ import annotations
 
@@ -49,6 +57,9 @@ _BUFFER_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.grad_scaler",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",   # (k)
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
 )
 
 
@@ -151,6 +162,10 @@ class _CpuCuda(types.SimpleNamespace):
     @staticmethod
     def is_available():
         return False
+
+    @staticmethod
+    def synchronize(*a, **k):        # (k) host and "device" are one: nothing pending
+        return None
 
     Stream = _NoStream
 
@@ -303,11 +318,20 @@ def _no_cuda_rng_state() -> None:
     mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
+def _in_process_write_results() -> None:
+    """(l)"""
+    import queue
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
+        filesystem_async._results_queue = queue.Queue()
+
+
 def apply() -> bool:
     """Patch megatron for CPU if CUDA is absent. Returns True if patches are in place.
-    (g) is a megatron-core bug on any device without Transformer Engine: fixed always."""
+    (g) and (l) hold on any device: always applied."""
     global _APPLIED
     _moe_router_without_te()
+    _in_process_write_results()
     if torch.cuda.is_available():
         return False
     if _APPLIED:

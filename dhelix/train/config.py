@@ -57,8 +57,12 @@ class TrainConfig:
     log_interval: int = 1
     json: Optional[str] = None
     checksums: bool = False                      # per-parameter grad/weight sums in the result
-    save: Optional[str] = None                   # checkpoint folder (weights, global names)
-    load: Optional[str] = None
+    save: Optional[str] = None                   # checkpoint root (megatron's torch_dist)
+    save_interval: Optional[int] = None          # save every N iterations (and at the end)
+    load: Optional[str] = None                   # resume from the latest save there
+    finetune: bool = False                       # --load the weights only, iteration 0
+    no_load_optim: bool = False
+    no_load_rng: bool = False
     quiet: bool = False
     dhelix: dict = field(default_factory=dict)   # --dhelix* options (schedule issue)
 
@@ -189,6 +193,7 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     from dhelix.train.recompute import check_recompute
     check_optimizer(cfg, layout)
     check_recompute(cfg, m, layout)
+    check_checkpoint_flags(cfg)
     return layout
 
 
@@ -254,6 +259,18 @@ def check_positive(cfg: TrainConfig) -> None:
                           f"only with --save: write the initial weights)")
 
 
+def check_checkpoint_flags(cfg: TrainConfig) -> None:
+    if cfg.save_interval is not None:
+        if not cfg.save:
+            raise ConfigError("--save-interval saves nowhere without --save DIR")
+        if cfg.save_interval < 1:
+            raise ConfigError(f"--save-interval {cfg.save_interval}: must be >= 1")
+    for flag, on in (("--finetune", cfg.finetune), ("--no-load-optim", cfg.no_load_optim),
+                     ("--no-load-rng", cfg.no_load_rng)):
+        if on and not cfg.load:
+            raise ConfigError(f"{flag} says what --load restores: add --load DIR")
+
+
 def preflight(cfg: TrainConfig, world: int) -> List[str]:
     """Everything about a run that can be checked before any rank starts: flags, the
     model config, the parallel layout, the data files, a plan file against the layer it
@@ -267,6 +284,9 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
                 raise ConfigError(f"--data-path {cfg.data_path}: {cfg.data_path}{ext} not "
                                   f"found (write one with `dhelix make-corpus --output "
                                   f"{cfg.data_path}` or Megatron's tools/preprocess_data.py)")
+    if cfg.load:
+        from dhelix.train.checkpoint import check_load
+        check_load(cfg, m)
     warnings = []
     dh = cfg.dhelix
     if dh.get("enabled") and layout.num_microbatches == 1:

@@ -45,8 +45,9 @@ class TrainOptimizer:
     """megatron-core's optimizer and its learning-rate scheduler, stepped as Megatron-LM's
     train_step steps them: the scheduler advances only after a step that was applied."""
 
-    def __init__(self, optimizer, scheduler):
+    def __init__(self, optimizer, scheduler, samples_per_step: int = 1):
         self.optimizer, self.scheduler = optimizer, scheduler
+        self.samples_per_step = samples_per_step    # the scheduler counts samples
 
     def zero_grad(self):
         self.optimizer.zero_grad()
@@ -59,8 +60,44 @@ class TrainOptimizer:
         with cuda_type_names():       # megatron's grad-norm code checks the type too, on CPU
             ok, grad_norm, _ = self.optimizer.step()
         if ok:
-            self.scheduler.step(increment=1)
+            self.scheduler.step(increment=self.samples_per_step)
         return ok, grad_norm
+
+    def _torch_adams(self):
+        """The distributed optimizers of this one that run torch's Adam (megatron-core
+        without Apex/TE), whose checkpoint code mishandles Adam's `step`: see below."""
+        from megatron.core.optimizer import distrib_optimizer as dopt
+        if dopt.HAVE_APEX_OR_TE:
+            return []
+        return [o for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+                if isinstance(o, dopt.DistributedOptimizer)]
+
+    def before_load(self) -> None:
+        """megatron-core 0.16 (torch Adam): the distributed optimizer's state_dict, which
+        its checkpoint load calls first, asserts one `step` over Adam's per-parameter
+        state, which a fresh optimizer has not made yet: give every main parameter the
+        state of step 0, for the load to overwrite."""
+        import torch
+        for o in self._torch_adams():
+            for group in o.optimizer.param_groups:
+                for p in group["params"]:
+                    st = o.optimizer.state[p]
+                    if not st:
+                        st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                  exp_avg_sq=torch.zeros_like(p))
+
+    def after_load(self) -> None:
+        """...and the load restores the saved step into the param groups, then copies each
+        parameter's local (step-0) state over Adam's: set it from the group, else Adam's
+        bias correction restarts."""
+        import torch
+        for o in self._torch_adams():
+            for group in o.optimizer.param_groups:
+                if group.get("step") is None:
+                    continue
+                for p in group["params"]:
+                    if "step" in o.optimizer.state[p]:
+                        o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
 
     @property
     def lr(self) -> float:
@@ -71,10 +108,12 @@ class TrainOptimizer:
         return float(self.optimizer.get_loss_scale())
 
 
-def build_optimizer(cfg, chunks) -> TrainOptimizer:
+def build_optimizer(cfg, chunks, samples_per_step: int = 1) -> TrainOptimizer:
     """megatron-core's Adam over the DDP-wrapped chunks, with Megatron-LM's standard
-    parameter groups (no weight decay on biases and 1-D parameters) and its scheduler in
-    iterations (--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr). With
+    parameter groups (no weight decay on biases and 1-D parameters) and its scheduler
+    (--lr-warmup-iters, --lr-decay-style, --lr-decay-iters, --min-lr), counting samples
+    as Megatron-LM's does (`samples_per_step` per iteration: the global batch), so that a
+    checkpoint's scheduler state means the same in both. With
     --fp16 megatron's grad scaler, and the chunks' schedules scale the loss by it."""
     import torch
     from megatron.core.optimizer import (OptimizerConfig, get_megatron_optimizer,
@@ -98,10 +137,11 @@ def build_optimizer(cfg, chunks) -> TrainOptimizer:
         for c in chunks:
             c.config.grad_scale_func = optimizer.scale_loss
     decay = cfg.lr_decay_iters or max(cfg.train_iters, 1)
+    n = samples_per_step
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr,
-        min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
-        lr_decay_steps=max(decay, cfg.lr_warmup_iters + 1), lr_decay_style=cfg.lr_decay_style,
-        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=decay,
-        wd_incr_style="constant")
-    return TrainOptimizer(optimizer, scheduler)
+        min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters * n,
+        lr_decay_steps=max(decay, cfg.lr_warmup_iters + 1) * n,
+        lr_decay_style=cfg.lr_decay_style, start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay, wd_incr_steps=decay * n, wd_incr_style="constant")
+    return TrainOptimizer(optimizer, scheduler, n)

@@ -122,29 +122,40 @@ def train(cfg: TrainConfig) -> dict:
     from dhelix.train.build import build, loss_stage_rank
     built = build(cfg, m, tconfig, layout, info.device, schedule.layer_module, layout.fold)
     chunks = built.chunks
-    if cfg.load:
-        from dhelix.train.checkpoint import load
-        load(chunks, cfg.load, layout.tp)
     schedule.prepare(chunks, tconfig)
     if schedule.name != "megatron":     # DHelix's ops read weights past megatron's hooks
         from dhelix.megatron.param_gather import guard_param_gather
         guard_param_gather(chunks)
     schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
     from dhelix.train.optim import build_optimizer
-    optimizer = build_optimizer(cfg, chunks)
+    samples_per_step = cfg.micro_batch_size * layout.num_microbatches * layout.dp
+    optimizer = build_optimizer(cfg, chunks, samples_per_step)
     dp_rank = parallel_state.get_data_parallel_rank()
+    rank0 = info.rank == 0 and not cfg.quiet
+    start, consumed, resumed = 0, 0, None           # the iteration and data position this run starts at
+    if cfg.load:
+        from dhelix.train import checkpoint
+        resumed = checkpoint.load(chunks, optimizer, cfg, m, layout, finetune=cfg.finetune,
+                                  load_optim=not cfg.no_load_optim,
+                                  load_rng=not cfg.no_load_rng)
+        start, consumed = resumed.iteration, resumed.consumed_samples
+    if consumed % samples_per_step:
+        from dhelix.train.checkpoint import CheckpointError
+        raise CheckpointError(
+            f"--load {cfg.load}: the data position ({consumed} samples) is not a whole "
+            f"number of steps of this run's --global-batch-size {samples_per_step}; resume "
+            f"with a global batch size that divides it")
 
     def stream():
         return _to_device(make_batches(
             cfg.data, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
             num_microbatches=layout.num_microbatches, vocab_size=m.vocab_size, seed=cfg.seed,
-            dp_rank=dp_rank, dp_size=layout.dp, data_path=cfg.data_path), info.device,
-            layout.cp)
+            dp_rank=dp_rank, dp_size=layout.dp, data_path=cfg.data_path,
+            start_step=consumed // samples_per_step), info.device, layout.cp)
     # megatron's interleaved schedule reads one iterator per model chunk
     data = [stream() for _ in chunks] if layout.vpp > 1 else stream()
     model = chunks if len(chunks) > 1 or layout.pp > 1 else chunks[0]
     loss_rank = loss_stage_rank(built.loss_stage)
-    rank0 = info.rank == 0 and not cfg.quiet
     tokens_per_step = cfg.seq_length * cfg.micro_batch_size * layout.num_microbatches * layout.dp
     if rank0:
         print(f"dhelix train: {m.name} world={layout.world} TP={layout.tp} "
@@ -156,13 +167,34 @@ def train(cfg: TrainConfig) -> dict:
               f"microbatches={layout.num_microbatches} seq={cfg.seq_length} "
               f"{'bf16' if cfg.bf16 else 'fp32'} schedule={schedule.name} "
               f"backend={info.backend}", flush=True)
+        if resumed:
+            print(f"dhelix train: {resumed.line()}", flush=True)
     losses, times, grad_sums, idle = [], [], [], []
     memory = StepMemory(info.device)
     act_peaks, total_peaks = [], []      # per iteration, bytes
     lrs, grad_norms, skipped = [], [], []
     from dhelix.train.dist import report_progress
     started = time.perf_counter()
-    for it in range(cfg.train_iters):
+    saved_at = None
+
+    def save(iteration):
+        from dhelix.train import checkpoint
+        nonlocal saved_at
+        if cfg.overlap_param_gather:      # whole weights on disk, as Megatron-LM saves
+            for c in chunks:
+                c.disable_forward_pre_hook(param_sync=True)
+        path = checkpoint.save(chunks, optimizer, cfg, m, layout, iteration,
+                               consumed + (iteration - start) * samples_per_step)
+        if cfg.overlap_param_gather and iteration < cfg.train_iters:
+            for c in chunks:
+                c.enable_forward_pre_hook()
+        saved_at = iteration
+        if rank0:
+            print(f"dhelix train: saved iteration {iteration} to {path}", flush=True)
+    if start and start >= cfg.train_iters and rank0:
+        print(f"dhelix train: nothing to train: resumed at iteration {start}, "
+              f"--train-iters {cfg.train_iters}", flush=True)
+    for it in range(start, cfg.train_iters):
         report_progress(it + 1)
         t0, c0 = time.perf_counter(), time.thread_time()
         for c in chunks:
@@ -206,9 +238,14 @@ def train(cfg: TrainConfig) -> dict:
                   f"peak act. {act_peaks[-1] / 2**20:.2f} MiB | lr {lr:.3e} | "
                   f"{f'grad norm {grad_norm:.3f} | ' if grad_norm is not None else ''}"
                   f"{f'loss scale {optimizer.loss_scale:g} | ' if cfg.fp16 else ''}"
-                  f"{progress_clock(time.perf_counter() - started, times, cfg.train_iters)}",
+                  f"{progress_clock(time.perf_counter() - started, times, cfg.train_iters - start)}",
                   flush=True)
-    if cfg.overlap_param_gather:
+        if cfg.save and cfg.save_interval and (it + 1) % cfg.save_interval == 0:
+            save(it + 1)
+    end = max(start, cfg.train_iters)
+    if cfg.save and saved_at != end:      # as Megatron-LM: the last iteration is saved
+        save(end)
+    if cfg.overlap_param_gather and saved_at != end:
         # the last step's gathers would wait for a next forward: finish them now, and
         # evaluate, checksum and save whole weights (as Megatron-LM does before both)
         for c in chunks:
@@ -233,9 +270,6 @@ def train(cfg: TrainConfig) -> dict:
     written = schedule.finish(info.rank)
     if written and rank0:
         print(f"dhelix train: trace of the last iteration: {', '.join(written)}")
-    if cfg.save:
-        from dhelix.train.checkpoint import save
-        save(chunks, cfg.save, layout.tp)
     steady = (times[1:] if len(times) > 1 else times) or [float("nan")]
     act_peak = max(act_peaks, default=0)
     total_peak = max(total_peaks, default=0)
