@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from dhelix.train.trainer import TrainConfig, train
 
-KEEP = ("losses", "learning_rates", "weight_checksums", "eval_loss", "coords")
+KEEP = ("first_iteration", "losses", "learning_rates", "weight_checksums", "eval_loss",
+        "coords")
 
 
 def _run(**kw):
@@ -36,14 +37,23 @@ def interrupted_and_resumed(scratch, cases, steps=4, every=2):
     return out
 
 
-def resave(runs):
-    """Each keyword dict of `runs` in turn (one launch): load and save again, nothing
-    trained (`train_iters` 0: the save is of the loaded iteration)."""
-    return [_run(train_iters=0, **kw) for kw in runs]
+def train_many(runs):
+    """`train` for each keyword dict of `runs` in turn, in one launch of the ranks (a
+    --load with train_iters at or below the loaded iteration trains nothing and saves
+    that iteration again: a conversion to this run's layout). A run whose --load is
+    refused gives {"error": the message}."""
+    from dhelix.train.checkpoint import CheckpointError
+    out = []
+    for kw in runs:
+        try:
+            out.append(_run(**kw))
+        except CheckpointError as e:
+            out.append({"error": str(e)})
+    return out
 
 
 def killed_while_saving(root, steps, kill_at, **kw):
-    """Train `steps` steps saving every 2; rank 1 dies (SIGKILL, as the OOM killer would)
+    """Train `steps` steps saving every 2; rank 1 dies (SIGKILL, with its writer process)
     in the middle of saving iteration `kill_at`: once its own shard file is on disk, before
     the save's metadata is."""
     import signal
@@ -55,6 +65,11 @@ def killed_while_saving(root, steps, kill_at, **kw):
         while True:
             if os.path.isdir(staging) and any(f.startswith("__1_")
                                               for f in os.listdir(staging)):
+                # the rank and megatron's writer process it forked, as a node's death
+                # would take them (killed alone, the writer waits on its parent forever)
+                import psutil
+                for child in psutil.Process().children(recursive=True):
+                    child.kill()
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.01)
     if dist.get_rank() == 1:

@@ -22,6 +22,20 @@ def megatron_lm_path():
         "shared", "megatron-lm")
 
 
+def require_megatron_lm() -> str:
+    """The Megatron-LM checkout the tests drive; a test module without one is skipped
+    (failed under CI=true, where ../shared/megatron-lm must be there)."""
+    import pytest
+    path = megatron_lm_path()
+    if not os.path.exists(os.path.join(path, "pretrain_gpt.py")):
+        msg = (f"no Megatron-LM checkout at {path}: set MEGATRON_LM to one (tag "
+               f"core_v0.16.1 pairs with megatron-core 0.16.1)")
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
+    return path
+
+
 def init_megatron(argv):
     """Megatron-LM's own argument parsing, validation and globals (with DHelix's
     extra_args_provider); then what `_initialize_distributed` does only when CUDA devices

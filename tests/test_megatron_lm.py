@@ -6,19 +6,12 @@ would call. Without a checkout these tests skip, naming MEGATRON_LM; under CI=tr
 missing checkout fails them."""
 import os
 
-import pytest
 
 from dhelix.testing import run_ranks
 import megatron_lm_fns as fns
 from compare import same_numbers, same_runs
 
-ML = fns.megatron_lm_path()
-if not os.path.exists(os.path.join(ML, "pretrain_gpt.py")):
-    msg = (f"no Megatron-LM checkout at {ML}: set MEGATRON_LM to one (tag core_v0.16.1 pairs "
-           f"with megatron-core 0.16.1)")
-    if os.environ.get("CI") == "true":
-        pytest.fail(msg, pytrace=False)
-    pytest.skip(msg, allow_module_level=True)
+ML = fns.require_megatron_lm()
 
 NMB = 4            # fns.SMALL: global batch 8 / micro-batch 2, one data-parallel rank
 

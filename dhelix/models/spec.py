@@ -175,6 +175,12 @@ def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None,
             pre_mlp_layernorm=Norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
+            # checkpoint names as megatron's local spec writes them (Megatron-LM's
+            # TransformerEngine layers fuse each norm into the linear after it, and name
+            # them so): a save of either loads into the other
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"},
         ),
     )
 

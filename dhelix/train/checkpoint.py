@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from argparse import Namespace
+from types import SimpleNamespace as Namespace    # what Megatron-LM saves as `args`
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import List
 
 import numpy as np
 import torch
@@ -160,7 +160,7 @@ def _load_model(chunks, loaded: dict, path: str) -> None:
                                       f"config that saved")
 
 
-def _rng_state(layout) -> "ShardedObject":
+def _rng_state(layout):
     """This rank's RNG states as Megatron-LM shards them: one object per (PP, TP) stage,
     the DP ranks its replicas; with EP > 1 one per rank (experts draw from per-EP-rank
     streams)."""
@@ -192,7 +192,8 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def run_args(cfg, m, layout, iteration: int, consumed: int) -> Namespace:
+def run_args(cfg, m, layout, iteration: int, consumed: int,
+             no_save_optim: bool = False) -> Namespace:
     """The run's flags under Megatron-LM's names (what its `load_checkpoint` reads from a
     checkpoint's `args`), and DHelix's whole TrainConfig under `dhelix_train_config`."""
     return Namespace(
@@ -216,6 +217,7 @@ def run_args(cfg, m, layout, iteration: int, consumed: int) -> Namespace:
         fp16=cfg.fp16, bf16=cfg.bf16, iteration=iteration, train_iters=cfg.train_iters,
         consumed_train_samples=consumed, consumed_valid_samples=0,
         skipped_train_samples=0, ckpt_format="torch_dist", dhelix_fold=layout.fold,
+        no_save_optim=no_save_optim, no_save_rng=False,
         dhelix_train_config=asdict(cfg))
 
 
@@ -258,12 +260,15 @@ renames it `iter_N` and names it in the tracker."""
     dist.barrier()
     meta = content_metadata(cfg)
     state = model_state(chunks, meta)
-    state["optimizer"] = optimizer.optimizer.sharded_state_dict(
-        state, is_loading=False, metadata=meta)
+    stepped = optimizer.has_state()      # none before the first step: a fresh one
+    if stepped:
+        state["optimizer"] = optimizer.optimizer.sharded_state_dict(
+            state, is_loading=False, metadata=meta)
     state["opt_param_scheduler"] = optimizer.scheduler.state_dict()
     state["rng_state"] = _rng_state(layout)
     state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
-                 args=run_args(cfg, m, layout, iteration, consumed),
+                 args=run_args(cfg, m, layout, iteration, consumed,
+                               no_save_optim=not stepped),
                  num_floating_point_operations_so_far=0)
     dist_checkpointing.save(state, staging, sharded_strategy=_save_strategy(),
                             validate_access_integrity=True, content_metadata=meta)
@@ -353,9 +358,10 @@ def load(chunks, optimizer, cfg, m, layout, finetune: bool = False,
     else:
         r.iteration = iteration
         r.consumed_samples = int(getattr(args, "consumed_train_samples", 0))
-    saved_layout = _layout_of(args)
-    same_layout = saved_layout == _layout_of(run_args(cfg, m, layout, 0, 0))
-    if load_rng and not same_layout:
+    saved_layout, my_layout = _layout_of(args), _layout_of(run_args(cfg, m, layout, 0, 0))
+    if load_optim and getattr(args, "no_save_optim", False):
+        load_optim = False      # saved before any step: the fresh optimizer is that state
+    if load_rng and saved_layout != my_layout:
         load_rng = False
         r.skipped.append(f"RNG state, saved at {_show(saved_layout)}")
     # the layout the save used (a Megatron-LM save: its own choice of optimizer layout)
@@ -370,6 +376,7 @@ def load(chunks, optimizer, cfg, m, layout, finetune: bool = False,
             raise CheckpointError(f"--load {path}: saved by the distributed optimizer; "
                                   f"resume with --use-distributed-optimizer, or with "
                                   f"--no-load-optim")
+        _check_optimizer_fits(optimizer, path, meta, saved_layout, my_layout)
         optimizer.before_load()
         state["optimizer"] = optimizer.optimizer.sharded_state_dict(
             state, is_loading=True, metadata=meta)
@@ -400,6 +407,33 @@ def load(chunks, optimizer, cfg, m, layout, finetune: bool = False,
     if r.consumed_samples:
         r.restored.append("data position")
     return r
+
+
+def _check_optimizer_fits(optimizer, path, meta, saved_layout, my_layout) -> None:
+    """The optimizer state reshards as megatron can: the plain optimizer's, kept in model
+    space, at any layout with the same optimizers (MoE: the dense and the expert
+    parameters' optimizers apart, at EP > 1); the distributed optimizer's (dp_reshardable)
+    only to another DP size. Else the weights alone can move: one message, the fix."""
+    from megatron.core import dist_checkpointing
+    saved = dist_checkpointing.load_common_state_dict(path).get("optimizer", {})
+    n_saved = len([k for k in saved if isinstance(k, int)]) or 1
+    n_mine = len(getattr(optimizer.optimizer, "chained_optimizers", [None]))
+    why = None
+    if n_saved != n_mine:
+        why = (f"its optimizer state is {n_saved} optimizer(s), this run has {n_mine} "
+               f"(MoE: expert parameters get their own at EP > 1)")
+    elif meta.get("distrib_optim_sharding_type") == "dp_reshardable" and \
+            _but_dp(saved_layout) != _but_dp(my_layout):
+        why = ("the distributed optimizer's state (dp_reshardable) loads at another DP "
+               "size only")
+    if why:
+        raise CheckpointError(f"--load {path}: saved at {_show(saved_layout)}: {why}; the "
+                              f"weights reshard: add --no-load-optim to resume with a fresh "
+                              f"optimizer (or --finetune)")
+
+
+def _but_dp(layout: tuple) -> tuple:
+    return layout[:4] + layout[5:]
 
 
 def _layout_of(args) -> tuple:

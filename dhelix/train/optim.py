@@ -63,6 +63,11 @@ class TrainOptimizer:
             self.scheduler.step(increment=self.samples_per_step)
         return ok, grad_norm
 
+    def has_state(self) -> bool:
+        """Whether Adam holds any state yet (not before the first applied step)."""
+        return any(o.optimizer.state for o in getattr(self.optimizer, "chained_optimizers",
+                                                      [self.optimizer]))
+
     def _torch_adams(self):
         """The distributed optimizers of this one that run torch's Adam (megatron-core
         without Apex/TE), whose checkpoint code mishandles Adam's `step`: see below."""

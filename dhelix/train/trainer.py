@@ -282,6 +282,7 @@ def train(cfg: TrainConfig) -> dict:
                    "data_parallel_size": layout.dp, "num_microbatches": layout.num_microbatches,
                    "pipeline_stages": layout.pp, "virtual_chunks": layout.vpp,
                    "backend": info.backend, "schedule": schedule.name},
+        "first_iteration": start + 1,    # > 1 when resumed
         "losses": losses,
         "learning_rates": lrs,
         "grad_norms": grad_norms,        # megatron's, before clipping
