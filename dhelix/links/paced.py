@@ -156,6 +156,10 @@ class PacedLink:
         self.stretched_ops = 0
         self.stretch_slept_s = 0.0
         self.stretch_hook: Optional[str] = None
+        # paced compute (`emulate.py`): a group's bytes scaled to the emulated shape's,
+        # and the emulated cluster's links ("intra_node"/"inter_node" -> (bytes/s, s))
+        self.byte_scale: Dict[int, float] = {}
+        self.lanes: Optional[Dict[str, Tuple[float, float]]] = None
 
     def link_of(self, pg) -> Optional[str]:
         """The link a group's collectives queue on; None for the default group."""
@@ -182,8 +186,11 @@ class PacedLink:
             return None
         if collective in ("send", "recv"):
             key = f"{key}:{collective}"
-        dur = collective_seconds(collective, float(nbytes), pg.size(), self.rate,
-                                 self.latency)
+        rate, lat = self.rate, self.latency
+        if self.lanes is not None:
+            rate, lat = self.lanes["inter_node" if key.startswith("inter") else "intra_node"]
+        dur = collective_seconds(collective, float(nbytes) * self.byte_scale.get(id(pg), 1.0),
+                                 pg.size(), rate, lat)
         with self.lock:
             now = time.perf_counter()
             start = max(now, self.free_at.get(key, 0.0))

@@ -18,6 +18,7 @@ unless a tracer is given.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -28,6 +29,10 @@ from dhelix.planner.plan import Plan, comm_runs
 from dhelix.strand.program import LayerProgram, Op
 from dhelix.strand.state import StrandState
 from dhelix.strand.trace import TraceEvent, Tracer  # noqa: F401  (imported from here)
+
+# paced compute (`links/emulate.py`): called after each compute op with the time its work
+# started, to wait out the emulated op's duration; None (the rule) costs one test per op
+PACE = None
 
 States = Union[StrandState, Sequence[StrandState]]
 Segment = Tuple[States, Sequence[Op]]          # a strand's state(s) and its ops in a step
@@ -72,10 +77,14 @@ def _run_alone(q: List[Item], tracer: Optional[Tracer]) -> None:
     with torch.no_grad():
         for S, op in q:
             mark = tracer.begin(S) if tracer is not None else None
+            t0, w0 = (time.perf_counter(), S.waited) if PACE is not None else (0.0, 0.0)
             op.run(S)
             if op.spec.kind == COMM:
                 issued.append((S, op, mark, S.pending[-1] if S.pending else None))
-            elif tracer is not None:
+                continue
+            if PACE is not None:     # from when the comm results it read arrived
+                PACE.after(op.spec.name, t0 + S.waited - w0)
+            if tracer is not None:
                 tracer.compute(S, op, mark)
         _barrier(issued, {id(S): S for S, _ in q}.values(), tracer)
 
@@ -93,11 +102,15 @@ def _run_two(qs: List[List[Item]], tracer: Optional[Tracer]) -> None:
             S, op = qs[cur][pos[cur]]
             pos[cur] += 1
             mark = tracer.begin(S) if tracer is not None else None
+            t0, w0 = (time.perf_counter(), S.waited) if PACE is not None else (0.0, 0.0)
             op.run(S)
             if op.spec.kind == COMM:
                 issued.append((S, op, mark, S.pending[-1] if S.pending else None))
                 cur = 1 - cur
-            elif tracer is not None:     # timed from when the comm results it read arrived
+                continue
+            if PACE is not None:     # from when the comm results it read arrived
+                PACE.after(op.spec.name, t0 + S.waited - w0)
+            if tracer is not None:     # timed from when the comm results it read arrived
                 tracer.compute(S, op, mark)
         _barrier(issued, {id(S): S for q in qs for S, _ in q}.values(), tracer)
 
