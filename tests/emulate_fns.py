@@ -81,3 +81,14 @@ def layer_step(config, emulate, compute, seq, mbs, reps):
             "predicted": pred, "own_share": pacer.own_share, "late": pacer.late,
             "same": same, "byte_scale": sorted(pacer.link.byte_scale.values())
             if pacer.link.byte_scale else [], "paced_ops": pacer.ops}
+
+
+def train_paced_and_not(**kw):
+    """`train` twice in one launch, on the paced link: plainly, then with paced compute;
+    both results."""
+    from dhelix.train.trainer import TrainConfig, train
+    kw.setdefault("quiet", True)
+    plain = train(TrainConfig(**kw))
+    paced = train(TrainConfig(compute="paced:a40,x=2", emulate="llama-8b,seq=1024,mbs=1",
+                              **kw))
+    return plain, paced

@@ -15,7 +15,7 @@ test (no timing thresholds in tests): `python scripts/emulate_layer_step.py` pri
 import pytest
 
 from dhelix.testing import run_ranks
-from emulate_fns import layer_step
+from emulate_fns import layer_step, train_paced_and_not
 
 SMALL, BIG = "tiny-llama", "llama-8b,seq=4096,mbs=1"
 
@@ -33,6 +33,22 @@ def test_paced_layer_step_keeps_emulated_time_and_results():
         # the TP group's bytes scaled to the emulated shape's: tokens × hidden × dtype
         # bytes, bf16 there and fp32 here: (4096·1·4096·2)/(64·2·64·4)
         assert x["byte_scale"] == [pytest.approx(4096 * 4096 * 2 / (64 * 2 * 64 * 4))]
+
+
+@pytest.mark.timeout(600)
+def test_paced_training_changes_no_result():
+    """`dhelix train --dhelix` with paced compute: the same losses and final weights as
+    without, bit for bit; the emulation's report (step, tokens/s, own share) is there."""
+    from compare import same_checksums, same_numbers
+    r = run_ranks(train_paced_and_not, 2, timeout=500, config="tiny-llama",
+                  tensor_model_parallel_size=2, sequence_parallel=True, train_iters=3,
+                  checksums=True, dhelix={"enabled": True}, env={"DHELIX_LINK": "paced:1gbit"})
+    for plain, paced in r:
+        same_numbers(paced["losses"], plain["losses"], 0.0, "losses")
+        same_checksums(paced["weight_checksums"], plain["weight_checksums"], 0.0, "weights")
+        e = paced["emulation"]
+        assert plain["emulation"] is None and e["paced_ops"] > 0 and e["step_s"] > 0
+        assert e["emulate"] == "llama-8b,seq=1024,mbs=1".split(",")[0] and e["factor"] == 2
 
 
 @pytest.mark.parametrize("compute,emulate,msg", [

@@ -116,6 +116,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="with --load: not the optimizer state (nor the scheduler's)")
     g.add_argument("--no-load-rng", action="store_true",
                    help="with --load: not the RNG states")
+    g = p.add_argument_group("paced compute (an emulated cluster's time; docs/links.md)")
+    g.add_argument("--compute", default="none", metavar="paced:CLUSTER[,x=F]",
+                   help="with --dhelix and --link paced:...: every DHelix layer op waits out "
+                        "the emulated shape's time on CLUSTER (a40, a800, h100 or a YAML), "
+                        "F times slower; collectives at that shape's bytes on its links")
+    g.add_argument("--emulate", default="", metavar="MODEL[,seq=S][,mbs=B]",
+                   help="with --compute: the model shape whose time the ranks keep")
     g.add_argument("--checksums", action="store_true",
                    help="with --json: also per-parameter sums of every step's gradient and "
                         "of the final weights (to compare two runs exactly)")
@@ -150,7 +157,8 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         recompute_granularity=a.recompute_granularity, recompute_method=a.recompute_method,
         recompute_num_layers=a.recompute_num_layers,
         eval_iters=a.eval_iters, log_interval=a.log_interval, json=a.json,
-        checksums=a.checksums, dhelix=dh, default_microbatches=DEFAULT_MICROBATCHES)
+        checksums=a.checksums, dhelix=dh, compute=a.compute, emulate=a.emulate,
+        default_microbatches=DEFAULT_MICROBATCHES)
 
 
 def run(a) -> int:
@@ -163,6 +171,10 @@ def run(a) -> int:
         # Everything that can be checked is checked before any rank starts: one message.
         try:
             check_dhelix_args(a)
+            if a.compute != "none" and not a.link.startswith("paced:"):
+                raise ValueError("--compute paced:... prices collectives on the paced link: "
+                                 "add --link paced:1gbit (its rate gives way to the "
+                                 "cluster's)")
             for w in preflight(cfg, a.nproc):
                 print(f"dhelix train: warning: {w}", file=sys.stderr)
         except ValueError as e:

@@ -18,8 +18,9 @@ the live layer's, which is checked.
     compute   paced:CLUSTER[,x=FACTOR]   a40 | a800 | h100 | a cluster YAML; FACTOR >= 1
     emulate   MODEL[,seq=S][,mbs=B]      the shape whose time the ranks keep
 
-So far one layer step is paced (`scripts/emulate_layer_step.py`, `tests/test_emulate.py`);
-`dhelix train` and `dhelix bench` do not take these settings yet.
+`dhelix train --compute ... --emulate ...` (with `--dhelix` and `--link paced:...`) paces
+every DHelix layer of the run (`install_for_run`); `scripts/emulate_layer_step.py` one
+layer step against the layer simulator.
 
 Not paced yet: megatron's own layers (the baseline: emulate it with the DHelix layer and
 the trivial plan), the embedding, the loss and the optimizer step; the DDP gradient
@@ -183,6 +184,43 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
     executor.PACE = pacer
     _ACTIVE["pacer"] = pacer
     return pacer
+
+
+def install_for_run(cfg, m, layout, chunks) -> Pacer:
+    """`dhelix train`: pace the DHelix layers of `chunks` (this rank's model) as
+    cfg.emulate on cfg.compute; the collectives of every group at the emulated shape."""
+    from megatron.core import parallel_state as ps
+    from dhelix.strand.layer import DHelixLayer
+    emu = parse(cfg.compute, cfg.emulate)
+    layers = [mod for c in chunks for mod in c.modules() if isinstance(mod, DHelixLayer)]
+    if not layers:
+        raise EmulationError("--compute paced:... paces the DHelix layer's ops: add --dhelix "
+                             "(megatron's schedule, op for op: --dhelix --dhelix-plan "
+                             "trivial)")
+    live = layers[0].program.layer_ops(cfg.seq_length, cfg.micro_batch_size)
+    groups = {"tp": ps.get_tensor_model_parallel_group(),
+              "dp": ps.get_data_parallel_group(with_context_parallel=True),
+              "pp": ps.get_pipeline_model_parallel_group() if layout.pp > 1 else None,
+              "cp": ps.get_context_parallel_group() if layout.cp > 1 else None,
+              "ep": ps.get_expert_model_parallel_group() if layout.ep > 1 else None}
+    return install(emu, m, live, tp=layout.tp, sp=cfg.sequence_parallel, cp=layout.cp,
+                   ep=layout.ep, seq_length=cfg.seq_length,
+                   micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, groups=groups)
+
+
+def report(pacer: Pacer, emu: Emulation, step_s: float, microbatches: int, dp: int,
+           seq_length: int, micro_batch_size: int) -> dict:
+    """What the result JSON keeps: the emulated step time and tokens/s (the ranks' step
+    time ÷ the factor; tokens of the emulated shape: its sequences and micro-batch size
+    over this run's micro-batches and DP), the small ops' own share of paced compute (the
+    emulation holds while it is small), and the ops that ran past their paced time."""
+    step = step_s / emu.factor
+    tokens = microbatches * dp * (emu.micro_batch_size or micro_batch_size) * \
+        (emu.seq_length or seq_length)
+    return {"emulate": emu.model, "cluster": emu.cluster, "factor": emu.factor,
+            "step_s": step, "tokens_per_s": tokens / step, "own_share": pacer.own_share,
+            "paced_ops": pacer.ops, "paced_compute_s": pacer.paced_s,
+            "late_ops": dict(pacer.late)}
 
 
 def uninstall() -> None:

@@ -127,6 +127,12 @@ def train(cfg: TrainConfig) -> dict:
         from dhelix.megatron.param_gather import guard_param_gather
         guard_param_gather(chunks)
     schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
+    from dhelix.links import emulate
+    if emulate.active() is not None:     # a run before this one in the process
+        emulate.uninstall()
+    pacer = None
+    if cfg.compute != "none":            # time on the ranks: an emulated cluster's
+        pacer = emulate.install_for_run(cfg, m, layout, chunks)
     from dhelix.train.optim import build_optimizer
     samples_per_step = cfg.micro_batch_size * layout.num_microbatches * layout.dp
     optimizer = build_optimizer(cfg, chunks, samples_per_step)
@@ -305,7 +311,18 @@ def train(cfg: TrainConfig) -> dict:
                    "pp": parallel_state.get_pipeline_model_parallel_rank(),
                    "dp": dp_rank},
         "link": _link_stats(),
+        "emulation": None,
     }
+    if pacer is not None:
+        result["emulation"] = e = emulate.report(
+            pacer, emulate.parse(cfg.compute, cfg.emulate), statistics.median(steady),
+            layout.num_microbatches, layout.dp, cfg.seq_length, cfg.micro_batch_size)
+        emulate.uninstall()
+        if rank0:
+            print(f"dhelix train: emulated {e['emulate']} on {e['cluster']}: step "
+                  f"{e['step_s'] * 1e3:.1f} ms, {e['tokens_per_s']:.0f} tokens/s (the ranks "
+                  f"ran {e['factor']:g}x slower; the small ops' own share of paced compute "
+                  f"{e['own_share']:.1%})", flush=True)
     if cfg.checksums:
         result["grad_checksums"] = grad_sums
         result["weight_checksums"] = checksums(chunks, "data")
