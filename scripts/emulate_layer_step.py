@@ -1,6 +1,6 @@
 """Paced compute against the layer simulator: one DHelix layer step (α's forward ∥ β's
 backward) of a small model on 2 ranks (TP=2+SP), paced to an emulated model on a cluster
-model (`dhelix/links/emulate.py`), under the trivial and the paired plan; prints the
+model (`dhelix/train/emulate.py`), under the trivial and the paired plan; prints the
 measured emulated step time beside the simulator's prediction for the emulated shape, and
 the small ops' own share of the paced time (the emulation holds while it is small).
 

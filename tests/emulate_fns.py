@@ -13,7 +13,7 @@ def layer_step(config, emulate, compute, seq, mbs, reps):
     share, and whether every output equals the unpaced step's."""
     import layer_fns
     from megatron.core import parallel_state
-    from dhelix.links import emulate as em
+    from dhelix.train import emulate as em
     from dhelix.models.config import load_model_config
     from dhelix.planner.plan import paired_plan, trivial_plan
     from dhelix.planner.simulate import simulate
@@ -83,12 +83,15 @@ def layer_step(config, emulate, compute, seq, mbs, reps):
             if pacer.link.byte_scale else [], "paced_ops": pacer.ops}
 
 
-def train_paced_and_not(**kw):
-    """`train` twice in one launch, on the paced link: plainly, then with paced compute;
-    both results."""
+def train_paced_and_not(runs):
+    """For each keyword dict of `runs`, in one launch on the paced link: `train` plainly,
+    then with paced compute; both results."""
     from dhelix.train.trainer import TrainConfig, train
-    kw.setdefault("quiet", True)
-    plain = train(TrainConfig(**kw))
-    paced = train(TrainConfig(compute="paced:a40,x=2", emulate="llama-8b,seq=1024,mbs=1",
-                              **kw))
-    return plain, paced
+    out = []
+    for kw in runs:
+        kw = dict(kw, quiet=True)
+        plain = train(TrainConfig(**kw))
+        paced = train(TrainConfig(compute="paced:a40,x=2", emulate="llama-8b,seq=1024,mbs=1",
+                                  **kw))
+        out.append((plain, paced))
+    return out

@@ -1,4 +1,4 @@
-"""Paced compute (`dhelix/links/emulate.py`): a small model's DHelix layer step run on 2
+"""Paced compute (`dhelix/train/emulate.py`): a small model's DHelix layer step run on 2
 ranks (TP=2+SP, tiny-llama, seq 64, mbs 2) while the ranks keep the time of llama-8b
 (seq 4096, mbs 1) on the A40 cluster model, 8 times slower (`paced:a40,x=8`), under the
 trivial and the paired plan.
@@ -7,10 +7,14 @@ Asserted (what holds whatever the machine's noise): every output and gradient eq
 unpaced step's, bit for bit (pacing only waits); every compute op was paced; each step
 lasted at least the emulated compute of both strands (compute is serial, each op waits
 out its emulated time); the TP collectives were priced at the emulated shape's bytes (the
-ratio of the two shapes' all-gather sizes); bad flags are one message each. How close the
+ratio of the two shapes' all-gather sizes); `dhelix train` paced — megatron's layers GEMM
+by GEMM, `--dhelix` op by op — keeps the unpaced losses and weights bit for bit, and both
+pace the same emulated compute; GEMMs that cannot be told apart by shape are refused; bad
+flags are one message each. How close the
 emulated step time comes to the layer simulator's prediction is a measurement, not a
-test (no timing thresholds in tests): `python scripts/emulate_layer_step.py` prints it
-(docs/links.md has the numbers).
+test (no timing thresholds in tests): `scripts/emulate_layer_step.py` (one layer step) and
+`scripts/emulate_pipelines.py` (1F1B, interleaved, the fold) print it; docs/links.md has the
+numbers.
 """
 import pytest
 
@@ -37,18 +41,39 @@ def test_paced_layer_step_keeps_emulated_time_and_results():
 
 @pytest.mark.timeout(600)
 def test_paced_training_changes_no_result():
-    """`dhelix train --dhelix` with paced compute: the same losses and final weights as
-    without, bit for bit; the emulation's report (step, tokens/s, own share) is there."""
+    """`dhelix train` with paced compute, megatron's layers (paced GEMM by GEMM) and
+    `--dhelix` (op by op): the same losses and final weights as without, bit for bit; both
+    paced the same emulated compute (the layers' GEMMs and attention: within 1%, the DHelix
+    path also paces its elementwise ops, near zero on the cluster model); the report is
+    there."""
     from compare import same_checksums, same_numbers
-    r = run_ranks(train_paced_and_not, 2, timeout=500, config="tiny-llama",
-                  tensor_model_parallel_size=2, sequence_parallel=True, train_iters=3,
-                  checksums=True, dhelix={"enabled": True}, env={"DHELIX_LINK": "paced:1gbit"})
-    for plain, paced in r:
-        same_numbers(paced["losses"], plain["losses"], 0.0, "losses")
-        same_checksums(paced["weight_checksums"], plain["weight_checksums"], 0.0, "weights")
-        e = paced["emulation"]
-        assert plain["emulation"] is None and e["paced_ops"] > 0 and e["step_s"] > 0
-        assert e["emulate"] == "llama-8b,seq=1024,mbs=1".split(",")[0] and e["factor"] == 2
+    kw = dict(config="tiny-llama-emu", tensor_model_parallel_size=2, sequence_parallel=True,
+              train_iters=2, checksums=True, micro_batch_size=2, global_batch_size=4)
+    r = run_ranks(train_paced_and_not, 2, [kw, dict(kw, dhelix={"enabled": True})],
+                  timeout=500, env={"DHELIX_LINK": "paced:1gbit"})
+    for rank in r:
+        for plain, paced in rank:
+            same_numbers(paced["losses"], plain["losses"], 0.0, "losses")
+            same_checksums(paced["weight_checksums"], plain["weight_checksums"], 0.0,
+                           "weights")
+            e = paced["emulation"]
+            assert plain["emulation"] is None and e["paced_ops"] > 0 and e["step_s"] > 0
+            assert e["emulate"] == "llama-8b" and e["factor"] == 2
+        (_, megatron), (_, dhelix) = rank
+        assert megatron["emulation"]["paced_compute_s"] == pytest.approx(
+            dhelix["emulation"]["paced_compute_s"], rel=0.01)
+
+
+def test_megatron_gemms_that_cannot_be_told_apart_are_refused():
+    """tiny-llama at TP=2: the QKV weight (64 x 64) and fc2's (64 x 64) have one shape but
+    different emulated times: one message naming them and the fix."""
+    from dhelix.train.emulate import EmulationError, _gemm_names
+    from dhelix.models.config import load_model_config
+    with pytest.raises(EmulationError, match="qkv and fc2 have one shape"):
+        _gemm_names(load_model_config("tiny-llama"), 2, True, 48, 2, 1,
+                    {"qkv": 1.0, "qkv_dgrad": 1.0, "qkv_wgrad": 1.0, "proj": 1.0,
+                     "proj_dgrad": 1.0, "proj_wgrad": 1.0, "fc1": 1.0, "fc1_dgrad": 1.0,
+                     "fc1_wgrad": 1.0, "fc2": 2.0, "fc2_dgrad": 2.0, "fc2_wgrad": 2.0})
 
 
 @pytest.mark.parametrize("compute,emulate,msg", [
@@ -58,7 +83,7 @@ def test_paced_training_changes_no_result():
     ("fast", "llama-8b", "use paced:CLUSTER[,x=FACTOR]"),
 ])
 def test_bad_flags_are_one_message(compute, emulate, msg):
-    from dhelix.links.emulate import EmulationError, parse
+    from dhelix.train.emulate import EmulationError, parse
     with pytest.raises(EmulationError, match=msg.replace("[", r"\[").replace("]", r"\]")
                        .replace("(", r"\(")):
         parse(compute, emulate)

@@ -156,7 +156,7 @@ class PacedLink:
         self.stretched_ops = 0
         self.stretch_slept_s = 0.0
         self.stretch_hook: Optional[str] = None
-        # paced compute (`emulate.py`): a group's bytes scaled to the emulated shape's,
+        # paced compute (`train/emulate.py`): a group's bytes scaled to the emulated shape's,
         # and the emulated cluster's links ("intra_node"/"inter_node" -> (bytes/s, s))
         self.byte_scale: Dict[int, float] = {}
         self.lanes: Optional[Dict[str, Tuple[float, float]]] = None

@@ -18,7 +18,6 @@ unless a tracer is given.
 """
 from __future__ import annotations
 
-import time
 import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -30,8 +29,8 @@ from dhelix.strand.program import LayerProgram, Op
 from dhelix.strand.state import StrandState
 from dhelix.strand.trace import TraceEvent, Tracer  # noqa: F401  (imported from here)
 
-# paced compute (`links/emulate.py`): called after each compute op with the time its work
-# started, to wait out the emulated op's duration; None (the rule) costs one test per op
+# paced compute (`train/emulate.py`): runs each compute op and waits out the emulated
+# op's duration; None (the rule) costs one test per op
 PACE = None
 
 States = Union[StrandState, Sequence[StrandState]]
@@ -77,13 +76,13 @@ def _run_alone(q: List[Item], tracer: Optional[Tracer]) -> None:
     with torch.no_grad():
         for S, op in q:
             mark = tracer.begin(S) if tracer is not None else None
-            t0, w0 = (time.perf_counter(), S.waited) if PACE is not None else (0.0, 0.0)
-            op.run(S)
+            if PACE is not None and op.spec.kind != COMM:
+                PACE.run(op, S)
+            else:
+                op.run(S)
             if op.spec.kind == COMM:
                 issued.append((S, op, mark, S.pending[-1] if S.pending else None))
                 continue
-            if PACE is not None:     # from when the comm results it read arrived
-                PACE.after(op.spec.name, t0 + S.waited - w0)
             if tracer is not None:
                 tracer.compute(S, op, mark)
         _barrier(issued, {id(S): S for S, _ in q}.values(), tracer)
@@ -102,14 +101,14 @@ def _run_two(qs: List[List[Item]], tracer: Optional[Tracer]) -> None:
             S, op = qs[cur][pos[cur]]
             pos[cur] += 1
             mark = tracer.begin(S) if tracer is not None else None
-            t0, w0 = (time.perf_counter(), S.waited) if PACE is not None else (0.0, 0.0)
-            op.run(S)
+            if PACE is not None and op.spec.kind != COMM:
+                PACE.run(op, S)
+            else:
+                op.run(S)
             if op.spec.kind == COMM:
                 issued.append((S, op, mark, S.pending[-1] if S.pending else None))
                 cur = 1 - cur
                 continue
-            if PACE is not None:     # from when the comm results it read arrived
-                PACE.after(op.spec.name, t0 + S.waited - w0)
             if tracer is not None:     # timed from when the comm results it read arrived
                 tracer.compute(S, op, mark)
         _barrier(issued, {id(S): S for q in qs for S, _ in q}.values(), tracer)

@@ -64,7 +64,7 @@ class TrainConfig:
     no_load_optim: bool = False
     no_load_rng: bool = False
     quiet: bool = False
-    compute: str = "none"                        # paced:CLUSTER[,x=F] (links/emulate.py)
+    compute: str = "none"                        # paced:CLUSTER[,x=F] (train/emulate.py)
     emulate: str = ""                            # the emulated shape: MODEL[,seq=S][,mbs=B]
     dhelix: dict = field(default_factory=dict)   # --dhelix* options (schedule issue)
 
@@ -290,14 +290,10 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
         from dhelix.train.checkpoint import check_load
         check_load(cfg, m)
     if cfg.compute != "none":
-        from dhelix.links import emulate
+        from dhelix.train import emulate
         emu = emulate.parse(cfg.compute, cfg.emulate)
         emulate._cluster(emu.cluster)
         load_model_config(emu.model)
-        if not cfg.dhelix.get("enabled"):
-            raise emulate.EmulationError(
-                "--compute paced:... paces the DHelix layer's ops: add --dhelix (megatron's "
-                "schedule, op for op: --dhelix --dhelix-plan trivial)")
     warnings = []
     dh = cfg.dhelix
     if dh.get("enabled") and layout.num_microbatches == 1:

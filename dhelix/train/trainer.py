@@ -127,7 +127,7 @@ def train(cfg: TrainConfig) -> dict:
         from dhelix.megatron.param_gather import guard_param_gather
         guard_param_gather(chunks)
     schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
-    from dhelix.links import emulate
+    from dhelix.train import emulate
     if emulate.active() is not None:     # a run before this one in the process
         emulate.uninstall()
     pacer = None

@@ -29,9 +29,12 @@ reduce and pipeline P2P are priced at the layer ratios (parameters, activations)
 from __future__ import annotations
 
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
+
+import torch
 
 from dhelix.planner.opspec import COMM, LayerOps
 
@@ -102,6 +105,18 @@ class Pacer:
     emulated: Optional[LayerOps] = None   # the emulated shape's layer and its cost table
     table: object = None
 
+    def run(self, op, S) -> None:
+        """Run a DHelix compute op, then wait out its emulated time from when its work
+        started (once the comm results it read had arrived); its GEMMs are not paced on
+        their own meanwhile (`GemmPacer`)."""
+        t0, w0 = time.perf_counter(), S.waited
+        _LOCAL.in_op = True
+        try:
+            op.run(S)
+        finally:
+            _LOCAL.in_op = False
+        self.after(op.spec.name, t0 + S.waited - w0)
+
     def after(self, name: str, t0: float) -> None:
         now = time.perf_counter()
         d = self.seconds[name]
@@ -122,6 +137,107 @@ class Pacer:
 
 
 _ACTIVE: Dict[str, Pacer] = {}
+_LOCAL = threading.local()          # .in_op: a DHelix op is running (paced as a whole)
+
+
+class GemmPacer:
+    """Paced compute for the layers DHelix does not run op by op — megatron's own
+    TransformerLayer, the baseline: each of their GEMMs (and attention kernels) is named
+    by its weight's shape as the DHelix op it is (qkv, proj, fc1, fc2: forward, dgrad,
+    wgrad; attn, attn_b) and waits out that op's emulated time, as `Pacer.after` does.
+    Hooked into the CPU kernels (`contention.py`'s mechanism); other GEMMs (the output
+    layer's) and elementwise ops run at their own speed, as on the DHelix path."""
+
+    def __init__(self, pacer: Pacer, names: Dict[tuple, str], tokens: set):
+        self.pacer, self.names, self.tokens = pacer, names, tokens
+
+    def name(self, func: str, args) -> Optional[str]:
+        if func.startswith("_scaled_dot_product_flash_attention_for_cpu"):
+            return "attn_b" if func.endswith("backward") else "attn"
+        if func in ("mm", "addmm"):
+            a, b = (args[0], args[1]) if func == "mm" else (args[1], args[2])
+            if a.dim() != 2 or b.dim() != 2:
+                return None
+            (m, k), n = a.shape, b.shape[1]
+            if m in self.tokens:
+                return self.names.get(("x", k, n))          # forward or dgrad
+            if k in self.tokens:
+                return self.names.get(("w", m, n))          # wgrad
+        return None
+
+    def call(self, func: str, fn, *args, **kwargs):
+        if getattr(_LOCAL, "in_op", False) or _ACTIVE.get("gemm") is not self:
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        name = self.name(func, args[1:] if args and not isinstance(args[0], torch.Tensor)
+                         else args)
+        if name is not None and name in self.pacer.seconds:
+            self.pacer.after(name, t0)
+        return out
+
+
+def _gemm_names(small, tp: int, sp: bool, seq: int, mbs: int, cp: int,
+                seconds: Dict[str, float]) -> tuple:
+    """(a GEMM's shape -> the DHelix op it is, the tokens its rows hold) of the running
+    layer: ("x", K, N) for a forward or dgrad (M = the tokens), ("w", M, N) for a wgrad
+    (K = the tokens). Two GEMMs of one shape are one key when their emulated times agree
+    (megatron's fc1 dgrad and fc2 forward, without a gated MLP); EmulationError when they
+    do not, or when the token count is also a weight width."""
+    from dhelix.models.gpt import transformer_config
+    from dhelix.planner.shapes import _sizes
+    sp = sp and tp > 1
+    z = _sizes(transformer_config(small, tp=tp, sequence_parallel=sp), tp, sp, seq, mbs, cp)
+    T = z["s"] * mbs           # megatron's GEMMs see the gathered sequence under SP
+    weights = {"qkv": (z["h"], z["qkv"] // tp), "proj": (z["ap"] // tp, z["h"]),
+               "fc1": (z["h"], z["f1"] // tp), "fc2": (z["f"] // tp, z["h"])}
+    names = {}
+
+    def clash(what):
+        return EmulationError(
+            f"--compute paced:...: {what}; megatron's GEMMs cannot be told apart: choose "
+            f"another --seq-length / --micro-batch-size (or a model whose hidden, QKV and "
+            f"FFN widths differ)")
+    for op, (i, o) in weights.items():
+        if T in (i, o):
+            raise clash(f"the {op} weight ({i} x {o}) is as wide as the {T} tokens")
+        for key, name in ((("x", i, o), op), (("x", o, i), f"{op}_dgrad"),
+                          (("w", o, i), f"{op}_wgrad")):
+            other = names.get(key)
+            if other is not None and abs(seconds[other] - seconds[name]) > \
+                    1e-9 * max(seconds[name], 1e-30):
+                raise clash(f"{other} and {name} have one shape {key[1:]}")
+            names.setdefault(key, name)
+    return names, {T}
+
+
+def _install_gemm_hook(gp: GemmPacer) -> None:
+    """Wrap the CPU kernels of the GEMM ops once per process (`contention.py`'s hook)."""
+    if "gemm_lib" in _ACTIVE:
+        _ACTIVE["gemm"] = gp
+        return
+    import warnings
+    from dhelix.links.contention import gemm_overloads, installed
+    if installed():
+        raise EmulationError("--compute paced:... and the paced link's slow=X both hook the "
+                             "GEMMs: drop slow= (the cluster file's comm_compute_slowdown "
+                             "stretches paced compute)")
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")       # "Overriding a previously registered kernel"
+        for op in gemm_overloads():
+            kernel = torch.library.get_kernel(op, "CPU")
+            base = op._schema.name.split("::", 1)[1]
+
+            def impl(keyset, *args, _kernel=kernel, _base=base, **kwargs):
+                g = _ACTIVE.get("gemm")
+                if g is None:
+                    return _kernel.call_boxed(keyset, *args, **kwargs)
+                return g.call(_base, _kernel.call_boxed, keyset, *args, **kwargs)
+            lib.impl(base + ("" if op._overloadname == "default" else
+                             f".{op._overloadname}"), impl, "CPU", with_keyset=True)
+    _ACTIVE["gemm_lib"] = lib
+    _ACTIVE["gemm"] = gp
 
 
 def active() -> Optional[Pacer]:
@@ -130,7 +246,7 @@ def active() -> Optional[Pacer]:
 
 def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int = 1,
             ep: int = 1, seq_length: int, micro_batch_size: int, bf16: bool = False,
-            groups: Dict[str, object]) -> Pacer:
+            groups: Dict[str, object], gemms: bool = False) -> Pacer:
     """Pace this rank: `small` is the running model's config and `live` its layer's ops
     at `seq_length` × `micro_batch_size`, `groups` the
     process groups by name ("tp", "cp", "ep", "dp", "pp"). Needs the paced link (it
@@ -183,21 +299,29 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
                   emulated=emulated, table=table)
     executor.PACE = pacer
     _ACTIVE["pacer"] = pacer
+    if gemms:                      # megatron's own layers in this run: pace their GEMMs
+        names, tokens = _gemm_names(small, tp, sp, seq_length, micro_batch_size, cp,
+                                    seconds)
+        _install_gemm_hook(GemmPacer(pacer, names, tokens))
     return pacer
 
 
 def install_for_run(cfg, m, layout, chunks) -> Pacer:
-    """`dhelix train`: pace the DHelix layers of `chunks` (this rank's model) as
-    cfg.emulate on cfg.compute; the collectives of every group at the emulated shape."""
+    """`dhelix train`: pace this rank's model (`chunks`) as cfg.emulate on cfg.compute:
+    DHelix layers op by op (what runs outside a DHelix step, evaluation, is not paced),
+    megatron's layers GEMM by GEMM (`GemmPacer`), the collectives of every group at the
+    emulated shape's bytes."""
     from megatron.core import parallel_state as ps
     from dhelix.strand.layer import DHelixLayer
     emu = parse(cfg.compute, cfg.emulate)
     layers = [mod for c in chunks for mod in c.modules() if isinstance(mod, DHelixLayer)]
-    if not layers:
-        raise EmulationError("--compute paced:... paces the DHelix layer's ops: add --dhelix "
-                             "(megatron's schedule, op for op: --dhelix --dhelix-plan "
-                             "trivial)")
-    live = layers[0].program.layer_ops(cfg.seq_length, cfg.micro_batch_size)
+    if layers:
+        live = layers[0].program.layer_ops(cfg.seq_length, cfg.micro_batch_size)
+    else:                          # megatron's layers: the ops a DHelix layer would have
+        from dhelix.planner.shapes import layer_ops_for_shape
+        live = layer_ops_for_shape(m, layout.tp, cfg.sequence_parallel, cfg.seq_length,
+                                   cfg.micro_batch_size, bf16=cfg.bf16, ep=layout.ep,
+                                   cp=layout.cp)
     groups = {"tp": ps.get_tensor_model_parallel_group(),
               "dp": ps.get_data_parallel_group(with_context_parallel=True),
               "pp": ps.get_pipeline_model_parallel_group() if layout.pp > 1 else None,
@@ -205,7 +329,8 @@ def install_for_run(cfg, m, layout, chunks) -> Pacer:
               "ep": ps.get_expert_model_parallel_group() if layout.ep > 1 else None}
     return install(emu, m, live, tp=layout.tp, sp=cfg.sequence_parallel, cp=layout.cp,
                    ep=layout.ep, seq_length=cfg.seq_length,
-                   micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, groups=groups)
+                   micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, groups=groups,
+                   gemms=not layers)
 
 
 def report(pacer: Pacer, emu: Emulation, step_s: float, microbatches: int, dp: int,
@@ -228,6 +353,7 @@ def uninstall() -> None:
     from dhelix.strand import executor
     executor.PACE = None
     _ACTIVE.pop("pacer", None)
+    _ACTIVE.pop("gemm", None)           # the kernel hook stays, passing through
     link = active_link()
     if link is not None:
         link.byte_scale, link.lanes = {}, None
