@@ -18,13 +18,15 @@ the live layer's, which is checked.
     compute   paced:CLUSTER[,x=FACTOR]   a40 | a800 | h100 | a cluster YAML; FACTOR >= 1
     emulate   MODEL[,seq=S][,mbs=B]      the shape whose time the ranks keep
 
-`dhelix train --compute ... --emulate ...` (with `--dhelix` and `--link paced:...`) paces
-every DHelix layer of the run (`install_for_run`); `scripts/emulate_layer_step.py` one
-layer step against the layer simulator.
+`dhelix train --compute ... --emulate ...` (with `--link paced:...`) paces a run
+(`install_for_run`): DHelix layers op by op (`Pacer.run`, from the executor), megatron's
+own layers GEMM by GEMM (`GemmPacer`, a CPU-kernel hook: each GEMM named by its weight's
+shape as the DHelix op it is). `scripts/emulate_layer_step.py` and
+`scripts/emulate_pipelines.py` compare with the layer and pipeline simulators.
 
-Not paced yet: megatron's own layers (the baseline: emulate it with the DHelix layer and
-the trivial plan), the embedding, the loss and the optimizer step; the DDP gradient
-reduce and pipeline P2P are priced at the layer ratios (parameters, activations).
+Not paced: elementwise ops, the embedding, the output layer, the loss and the optimizer
+step (they run at the small model's speed); the DDP gradient reduce and pipeline P2P are
+priced at the layers' ratios (parameters, activations).
 """
 from __future__ import annotations
 
