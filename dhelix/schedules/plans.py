@@ -38,6 +38,9 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
     """--dhelix-plan FILE wins; else the planner's plan from --dhelix-overlap-table (a
     measured table) or --dhelix-cluster (analytical); else the built-in paired plan."""
     builtin = {"trivial": trivial_plan, "paired": paired_plan}
+    if opts.get("emulated_plan"):       # paced compute: planned for the emulated shape
+        return PlanBook(seq_length, micro_batch_size, make_plan=opts["emulated_plan"],
+                        source="the planner's plan for the emulated shape (--emulate)")
     if opts.get("plan") in builtin:
         return PlanBook(seq_length, micro_batch_size, make_plan=builtin[opts["plan"]],
                         source=f"built-in {opts['plan']} plan")

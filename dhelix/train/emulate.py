@@ -335,6 +335,20 @@ def install_for_run(cfg, m, layout, chunks) -> Pacer:
                    gemms=not layers)
 
 
+def plan_maker(pacer: Pacer):
+    """make_plan for the plan book: the DP planner's plan for the emulated shape on the
+    cluster's table (the plan DHelix would run there), stamped for the running layer,
+    whose ops have the same names."""
+    def make(live: LayerOps):
+        from dhelix.planner import dp
+        from dhelix.planner.plan import Plan
+        p = dp.plan(pacer.emulated, pacer.table)
+        return Plan(live.signature(), [o.name for o in live.forward],
+                    [o.name for o in live.backward], p.steps,
+                    dict(p.meta, planned_for=pacer.emulated.signature()))
+    return make
+
+
 def report(pacer: Pacer, emu: Emulation, step_s: float, microbatches: int, dp: int,
            seq_length: int, micro_batch_size: int) -> dict:
     """What the result JSON keeps: the emulated step time and tokens/s (the ranks' step

@@ -126,13 +126,16 @@ def train(cfg: TrainConfig) -> dict:
     if schedule.name != "megatron":     # DHelix's ops read weights past megatron's hooks
         from dhelix.megatron.param_gather import guard_param_gather
         guard_param_gather(chunks)
-    schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
     from dhelix.train import emulate
     if emulate.active() is not None:     # a run before this one in the process
         emulate.uninstall()
     pacer = None
     if cfg.compute != "none":            # time on the ranks: an emulated cluster's
         pacer = emulate.install_for_run(cfg, m, layout, chunks)
+        if hasattr(schedule, "options") and not any(
+                cfg.dhelix.get(k) for k in ("plan", "overlap_table", "cluster")):
+            schedule.options = dict(schedule.options, emulated_plan=emulate.plan_maker(pacer))
+    schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
     from dhelix.train.optim import build_optimizer
     samples_per_step = cfg.micro_batch_size * layout.num_microbatches * layout.dp
     optimizer = build_optimizer(cfg, chunks, samples_per_step)
