@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def predict(a, L, N):
@@ -78,10 +79,12 @@ def main():
         for name, extra in runs.items():
             j = os.path.join(d, name + ".json")
             print(f"running {name} ...", file=sys.stderr, flush=True)
+            t = time.perf_counter()
             r = subprocess.run(base + extra + ["--json", j], capture_output=True, text=True)
             if r.returncode:
                 sys.exit(f"{name} failed:\n{r.stderr[-3000:]}")
             out[name] = json.load(open(j))
+            out[name]["wall_s"] = time.perf_counter() - t
     print(f"{a.config} ({L} layers, seq {a.seq_length}) emulating {a.emulate} on "
           f"{a.compute}: {a.nproc} ranks, TP={tp} PP={pp} DP={dp}, {N} micro-batches")
     print("| schedule | measured step (ms) | simulator (ms) | measured / simulator | "
@@ -94,6 +97,10 @@ def main():
               f"{e['step_s'] / pred[name]:.3f} | {b_m / e['step_s']:.3f}x | "
               f"{pred['megatron-1f1b'] / pred[name]:.3f}x | {e['own_share']:.1%} | "
               f"{r['losses'][-1]:.6f} |")
+    r0 = out["megatron-1f1b"]
+    walls = ", ".join(f"{k} {v['wall_s']:.0f} s" for k, v in out.items())
+    print(f"a rank: peak RSS {r0['peak_rss_bytes'] / 2**20:.0f} MiB (rank 0); whole runs: "
+          f"{walls} (start-up and {a.train_iters} steps)")
 
 
 if __name__ == "__main__":
