@@ -13,20 +13,14 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
 def body(config, seq, mbs, reps, plan_path):
-    import torch
-    import torch.distributed as dist
-
     import layer_fns
     from dhelix.planner.plan import Plan, paired_plan, trivial_plan
-    from dhelix.strand.executor import run_layer_step
     from dhelix.strand.lanes import make_lanes
-    from dhelix.strand.state import StrandState
 
     _, dh, cfg, rope = layer_fns.setup_layer(config, 2, True, 3, seq, mbs)
     prog = dh.program
@@ -41,18 +35,9 @@ def body(config, seq, mbs, reps, plan_path):
     times = {k: [] for k in plans}
     for rep in range(reps + 2):
         for name, plan in plans.items():
-            Sa, Sb = StrandState(lanes, "α"), StrandState(lanes, "β")
-            Sa.meta = Sb.meta = meta
-            Sb.put("x", x)
-            run_layer_step(plans["trivial"], fwd=(prog, Sb))
-            Sb.put("g_out", g)
-            Sa.put("x", x)
-            dist.barrier()
-            t = time.perf_counter()
-            run_layer_step(plan, fwd=(prog, Sa), bwd=(prog, Sb))
-            dist.barrier()
+            dt, _ = layer_fns.timed_layer_step(prog, plan, plans["trivial"], lanes, meta, x, g)
             if rep >= 2:   # warm-up
-                times[name].append(time.perf_counter() - t)
+                times[name].append(dt)
     return {k: statistics.median(v) for k, v in times.items()}, \
         {k: (min(v), max(v)) for k, v in times.items()}
 

@@ -1,9 +1,7 @@
 """Rank functions of tests/test_emulate.py (paced compute)."""
 import statistics
-import time
 
 import torch
-import torch.distributed as dist
 
 
 def layer_step(config, emulate, compute, seq, mbs, reps):
@@ -17,9 +15,7 @@ def layer_step(config, emulate, compute, seq, mbs, reps):
     from dhelix.models.config import load_model_config
     from dhelix.planner.plan import paired_plan, trivial_plan
     from dhelix.planner.simulate import simulate
-    from dhelix.strand.executor import run_layer_step
     from dhelix.strand.lanes import make_lanes
-    from dhelix.strand.state import StrandState
 
     _, dh, cfg, rope = layer_fns.setup_layer(config, 2, True, 3, seq, mbs)
     prog = dh.program
@@ -31,18 +27,8 @@ def layer_step(config, emulate, compute, seq, mbs, reps):
     meta = {"attention_mask": None, "rotary_pos_emb": rope}
 
     def step(plan):
-        Sa, Sb = StrandState(lanes, "α"), StrandState(lanes, "β")
-        Sa.meta = Sb.meta = meta
-        Sb.put("x", x)
-        run_layer_step(plans["trivial"], fwd=(prog, Sb))
-        Sb.put("g_out", g)
-        Sa.put("x", x)
-        dist.barrier()
-        t = time.perf_counter()
-        run_layer_step(plan, fwd=(prog, Sa), bwd=(prog, Sb))
-        dist.barrier()
-        dt = time.perf_counter() - t
-        return dt, [Sa.get(k).clone() for k in ("out",)] + [
+        dt, Sa = layer_fns.timed_layer_step(prog, plan, plans["trivial"], lanes, meta, x, g)
+        return dt, [Sa.get("out").clone()] + [
             p.main_grad.clone() if getattr(p, "main_grad", None) is not None else
             p.grad.clone() for p in dh.parameters() if p.grad is not None]
 

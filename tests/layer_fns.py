@@ -80,6 +80,27 @@ def dhelix_step(dh, plan, x_a, x_b, g_b, rope, seq, mbs):
     return Sa.get("out"), Sb.get("g_x"), grads
 
 
+def timed_layer_step(prog, plan, trivial, lanes, meta, x, g):
+    """One layer step as the schedule's steady state runs it: β's forward first (alone,
+    the `trivial` plan), then α's forward ∥ β's backward under `plan`, timed between two
+    barriers. Returns (seconds, α's state)."""
+    import time
+    import torch.distributed as dist
+    from dhelix.strand.executor import run_layer_step
+    from dhelix.strand.state import StrandState
+    Sa, Sb = StrandState(lanes, "α"), StrandState(lanes, "β")
+    Sa.meta = Sb.meta = meta
+    Sb.put("x", x)
+    run_layer_step(trivial, fwd=(prog, Sb))
+    Sb.put("g_out", g)
+    Sa.put("x", x)
+    dist.barrier()
+    t = time.perf_counter()
+    run_layer_step(plan, fwd=(prog, Sa), bwd=(prog, Sb))
+    dist.barrier()
+    return time.perf_counter() - t, Sa
+
+
 def earliest_wgrad_plan(ops):
     """Every floating op as early as the validator allows (right after its `after`):
     e.g. fc1_wgrad before fc1_dgrad, which random plans (they only defer) never do."""
