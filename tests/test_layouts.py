@@ -27,3 +27,15 @@ def test_layouts_row_trains_megatron_and_dhelix_alike(tmp_path):
 def test_layouts_unknown_row_is_an_error():
     r = _layouts("--rows", "TP×XX", timeout=120)
     assert r.returncode == 2 and "--rows TP×XX: unknown" in r.stderr
+
+
+def test_layouts_paced_compute_refuses_what_it_cannot_pace():
+    """--compute: rows with CP or EP (megatron's ring attention and expert GEMMs are not
+    named yet) and a link that is not paced are one message each, before any rank."""
+    r = _layouts("--rows", "TP×CP×DP", "--link", "paced:1gbit", "--compute", "paced:a40",
+                 "--emulate", "llama-8b", timeout=120)
+    assert r.returncode == 2 and "--compute paces rows without CP or EP only (not TP×CP×DP)" \
+        in r.stderr, r.stderr
+    r = _layouts("--rows", "TP×DP", "--compute", "paced:a40", "--emulate", "llama-8b",
+                 timeout=120)
+    assert r.returncode == 2 and "add --link paced:1gbit" in r.stderr, r.stderr

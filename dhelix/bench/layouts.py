@@ -7,6 +7,13 @@ model from the same weights twice: megatron's schedule (1F1B with PP) and DHelix
 relative difference over the steps) and puts tokens/s side by side. With PP both runs
 load one initial checkpoint (the layouts place layers differently, so they would
 otherwise start from different weights).
+
+With `--compute paced:CLUSTER[,x=F] --emulate MODEL[,seq=S,mbs=B]` (and a paced `--link`)
+the ranks keep an emulated model's time (`train/emulate.py`: megatron's layers paced GEMM
+by GEMM, DHelix's op by op, collectives at the emulated bytes), the small model is
+`--config` (default `tiny-llama-emu`, whose GEMMs tell apart by shape), `--data-parallel-
+size` widens the rows to 16 ranks and more, and the table gives the emulated step times
+and tokens/s. Rows with context parallel or experts are not paced yet (refused).
 """
 from __future__ import annotations
 
@@ -52,11 +59,17 @@ class LayoutsOptions:
     micro_batch_size: int = 2
     seq_length: int = 64
     link: str = "none"
+    compute: str = "none"                        # paced:CLUSTER[,x=F]: emulated time
+    emulate: str = ""                            # the emulated shape (with compute)
+    config: Optional[str] = None                 # the small model (default: the row's;
+    #                                              with --compute tiny-llama-emu)
+    data_parallel_size: Optional[int] = None     # instead of each row's DP (2)
     out: str = "layouts"                         # prefix for .md and .json
 
 
 def _common(row: LayoutRow, o: LayoutsOptions) -> List[str]:
-    argv = ["--config", row.config, "--tensor-model-parallel-size", str(row.tp),
+    small = o.config or ("tiny-llama-emu" if o.compute != "none" else row.config)
+    argv = ["--config", small, "--tensor-model-parallel-size", str(row.tp),
             "--seq-length", str(o.seq_length), "--micro-batch-size", str(o.micro_batch_size),
             "--data", "synthetic"]
     if row.tp > 1:
@@ -66,6 +79,8 @@ def _common(row: LayoutRow, o: LayoutsOptions) -> List[str]:
     if row.ep > 1:
         argv += ["--expert-model-parallel-size", str(row.ep),
                  "--expert-tensor-parallel-size", "1"]
+    if o.compute != "none":
+        argv += ["--compute", o.compute, "--emulate", o.emulate]
     return argv
 
 
@@ -102,6 +117,17 @@ def run_layouts(o: LayoutsOptions) -> int:
         print(f"dhelix layouts: error: {e}", file=sys.stderr)
         return 2
     rows = [known[n] for n in names]
+    if o.data_parallel_size:
+        from dataclasses import replace
+        rows = [replace(r, dp=o.data_parallel_size) for r in rows]
+    if o.compute != "none":
+        refused = [r.name for r in rows if r.cp > 1 or r.ep > 1]
+        why = (f"rows without CP or EP only (not {', '.join(refused)}): choose --rows "
+               f"TP×DP,TP×PP×DP" if refused else
+               "on the paced link: add --link paced:1gbit")
+        if refused or link.kind != "paced":
+            print(f"dhelix layouts: error: --compute paces {why}", file=sys.stderr)
+            return 2
     work = tempfile.mkdtemp(prefix="dhelix-layouts-")
     log = os.path.join(work, "runs.log")
     results = []
@@ -150,10 +176,15 @@ def _row(row: LayoutRow, res: dict) -> dict:
             "loss_rel_diff": worst,
             "tokens_per_s_megatron": base["tokens_per_s"],
             "tokens_per_s_dhelix": dh["tokens_per_s"],
-            "speedup": dh["tokens_per_s"] / base["tokens_per_s"]}
+            "speedup": dh["tokens_per_s"] / base["tokens_per_s"],
+            # paced compute: the emulated model's step and tokens/s (None otherwise)
+            "emulation_megatron": base.get("emulation"),
+            "emulation_dhelix": dh.get("emulation")}
 
 
 def markdown(results: List[dict]) -> str:
+    if results and results[0].get("emulation_megatron"):
+        return _markdown_emulated(results)
     lines = ["| layout | published | ranks (TP, CP, PP, DP, EP) | schedules | final loss "
              "megatron / DHelix | max loss diff | tokens/s megatron | tokens/s DHelix | "
              "DHelix vs megatron |",
@@ -166,6 +197,25 @@ def markdown(results: List[dict]) -> str:
             f"{r['losses_dhelix'][-1]:.6f} | {r['loss_rel_diff']:.1e} | "
             f"{r['tokens_per_s_megatron']:.0f} | {r['tokens_per_s_dhelix']:.0f} | "
             f"{r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def _markdown_emulated(results: List[dict]) -> str:
+    e0 = results[0]["emulation_megatron"]
+    lines = [f"emulated: {e0['emulate']} on {e0['cluster']} (the ranks {e0['factor']:g}x "
+             f"slower)", "",
+             "| layout | ranks (TP, CP, PP, DP, EP) | schedules | final loss megatron / "
+             "DHelix | emulated step megatron | emulated step DHelix | DHelix vs megatron | "
+             "own share megatron / DHelix |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        a, b = r["emulation_megatron"], r["emulation_dhelix"]
+        lines.append(
+            f"| {r['name']} | {r['world']} ({r['tp']}, {r['cp']}, {r['pp']}, {r['dp']}, "
+            f"{r['ep']}) | {r['megatron_schedule']} / {r['dhelix_schedule']} | "
+            f"{r['losses_megatron'][-1]:.6f} / {r['losses_dhelix'][-1]:.6f} | "
+            f"{a['step_s'] * 1e3:.1f} ms | {b['step_s'] * 1e3:.1f} ms | "
+            f"{a['step_s'] / b['step_s']:.2f}x | {a['own_share']:.1%} / "
+            f"{b['own_share']:.1%} |")
     return "\n".join(lines)
 
 

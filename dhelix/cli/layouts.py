@@ -25,6 +25,16 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-length", type=int, default=D.seq_length, help="(default: %(default)s)")
     p.add_argument("--link", default=D.link, help="as `dhelix train --link` takes it "
                                                   "(default: %(default)s)")
+    p.add_argument("--compute", default=D.compute, metavar="paced:CLUSTER[,x=F]",
+                   help="paced compute: the ranks keep --emulate's time on CLUSTER (needs a "
+                        "paced --link; docs/links.md)")
+    p.add_argument("--emulate", default=D.emulate, metavar="MODEL[,seq=S][,mbs=B]",
+                   help="with --compute: the emulated model shape")
+    p.add_argument("--config", default=D.config,
+                   help="the model that runs (default: each row's; with --compute "
+                        "tiny-llama-emu)")
+    p.add_argument("--data-parallel-size", type=int, default=D.data_parallel_size,
+                   help="DP of every row instead of 2 (e.g. 4: TP×PP×DP on 16 ranks)")
     p.add_argument("--out", default=D.out, help="prefix for .md and .json "
                                                 "(default: %(default)s)")
     p.set_defaults(func=run)
