@@ -82,15 +82,11 @@ def parse(compute: str, emulate: str) -> Optional[Emulation]:
 
 
 def _cluster(name: str) -> dict:
-    import os
+    """A cluster by name (configs/clusters/NAME.yaml) or YAML path."""
+    from dhelix.models.config import find_named_yaml
     from dhelix.planner.costmodel import load_cluster
-    path = name if os.path.exists(name) else os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-        "configs", "clusters", f"{name}.yaml")
-    if not os.path.exists(path):
-        raise EmulationError(f"--compute paced:{name}: no such cluster (a40, a800, h100, or "
-                             f"a cluster YAML path)")
-    return load_cluster(path)
+    return load_cluster(find_named_yaml(name, "clusters", f"--compute paced:{name}",
+                                        "cluster", EmulationError))
 
 
 @dataclass

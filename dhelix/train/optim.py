@@ -41,6 +41,11 @@ def check_optimizer(cfg, layout) -> None:
                           f"{', '.join(LR_DECAY_STYLES)}")
 
 
+def _step_device(group: dict, p):
+    """Where torch's Adam keeps a parameter's `step` tensor."""
+    return p.device if group.get("capturable") or group.get("fused") else "cpu"
+
+
 class TrainOptimizer:
     """megatron-core's optimizer and its learning-rate scheduler, stepped as Megatron-LM's
     train_step steps them: the scheduler advances only after a step that was applied."""
@@ -87,9 +92,10 @@ class TrainOptimizer:
             for group in o.optimizer.param_groups:
                 for p in group["params"]:
                     st = o.optimizer.state[p]
-                    if not st:
-                        st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                  exp_avg_sq=torch.zeros_like(p))
+                    if not st:     # `step` where torch's Adam keeps it: on the host
+                        # unless capturable or fused (then on the parameter's device)
+                        st.update(step=torch.tensor(0.0, device=_step_device(group, p)),
+                                  exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     def after_load(self) -> None:
         """...and the load restores the saved step into the param groups, then copies each
@@ -102,7 +108,8 @@ class TrainOptimizer:
                     continue
                 for p in group["params"]:
                     if "step" in o.optimizer.state[p]:
-                        o.optimizer.state[p]["step"] = torch.tensor(float(group["step"]))
+                        o.optimizer.state[p]["step"] = torch.tensor(
+                            float(group["step"]), device=_step_device(group, p))
 
     @property
     def lr(self) -> float:
