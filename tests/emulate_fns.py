@@ -76,8 +76,8 @@ def train_paced_and_not(runs):
     out = []
     for kw in runs:
         kw = dict(kw, quiet=True)
+        emulate = kw.pop("emulate", "llama-8b,seq=1024,mbs=1")
         plain = train(TrainConfig(**kw))
-        paced = train(TrainConfig(compute="paced:a40,x=2", emulate="llama-8b,seq=1024,mbs=1",
-                                  **kw))
+        paced = train(TrainConfig(compute="paced:a40,x=2", emulate=emulate, **kw))
         out.append((plain, paced))
     return out

@@ -17,6 +17,7 @@ test (no timing thresholds in tests): `scripts/emulate_layer_step.py` (one layer
 numbers.
 """
 import pytest
+import torch
 
 from dhelix.testing import run_ranks
 from emulate_fns import layer_step, train_paced_and_not
@@ -64,6 +65,41 @@ def test_paced_training_changes_no_result():
             dhelix["emulation"]["paced_compute_s"], rel=0.01)
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["cp", "ep"])
+def test_paced_ring_attention_and_experts_change_no_result(layout):
+    """megatron's layer with context parallel (the ring attention's steps, paced as
+    DHelix's attn_i / attn_b_i) and with experts (SequentialMLP: each expert's GEMMs
+    paced as its rows' share of the expert op), 2 ranks: losses and weights as without
+    pacing, bit for bit; the ring steps and expert GEMMs were paced; megatron's and
+    DHelix's paced compute agree within 2% (per rank with CP; summed over the EP group
+    with experts, whose rows per rank follow the routing)."""
+    from compare import same_checksums, same_numbers
+    kw = dict(train_iters=2, checksums=True, micro_batch_size=1, global_batch_size=2,
+              seq_length=64)
+    if layout == "cp":
+        kw.update(config="tiny-llama-emu", context_parallel_size=2)
+        want = {"attn_0", "attn_1", "attn_b_0", "attn_b_1", "qkv", "fc2_wgrad"}
+    else:
+        kw.update(config="tiny-moe-emu", expert_model_parallel_size=2,
+                  expert_tensor_parallel_size=1, emulate="phi-3.5-moe,seq=1024,mbs=1",
+                  global_batch_size=4)
+        want = {"experts_fc1", "experts_fc1_dgrad", "experts_fc2_wgrad", "qkv"}
+    r = run_ranks(train_paced_and_not, 2, [kw, dict(kw, dhelix={"enabled": True})],
+                  timeout=500, env={"DHELIX_LINK": "paced:1gbit"})
+    for rank in r:
+        for plain, paced in rank:
+            same_numbers(paced["losses"], plain["losses"], 0.0, "losses")
+            same_checksums(paced["weight_checksums"], plain["weight_checksums"], 0.0,
+                           "weights")
+        assert want <= set(rank[0][1]["emulation"]["paced_op_counts"]), rank[0][1]
+    paced = [[x[i][1]["emulation"]["paced_compute_s"] for x in r] for i in (0, 1)]
+    if layout == "ep":
+        paced = [[sum(p)] for p in paced]
+    for megatron, dhelix in zip(*paced):
+        assert megatron == pytest.approx(dhelix, rel=0.02)
+
+
 def test_megatron_gemms_that_cannot_be_told_apart_are_refused():
     """tiny-llama at TP=2: the QKV weight (64 x 64) and fc2's (64 x 64) have one shape but
     different emulated times: one message naming them and the fix."""
@@ -74,6 +110,32 @@ def test_megatron_gemms_that_cannot_be_told_apart_are_refused():
                     {"qkv": 1.0, "qkv_dgrad": 1.0, "qkv_wgrad": 1.0, "proj": 1.0,
                      "proj_dgrad": 1.0, "proj_wgrad": 1.0, "fc1": 1.0, "fc1_dgrad": 1.0,
                      "fc1_wgrad": 1.0, "fc2": 2.0, "fc2_dgrad": 2.0, "fc2_wgrad": 2.0})
+
+
+def test_expert_gemms_are_named_by_shape_with_their_rows_share():
+    """tiny-moe-emu (hidden 96, expert FFN 160 gated: 320): an expert's fc1 forward is
+    ("x", 96, 320), its wgrad ("w", 320, 96); an expert GEMM of m rows is m / (64 tokens ×
+    top-2) of the op; a dense model has no expert keys."""
+    from dhelix.models.config import load_model_config
+    from dhelix.train.emulate import GemmPacer, _gemm_names
+    ops = ("qkv", "proj", "experts_fc1", "experts_fc2")
+    seconds = {f"{o}{x}": 1.0 for o in ops for x in ("", "_dgrad", "_wgrad")}
+    names, tokens, experts, routed = _gemm_names(load_model_config("tiny-moe-emu"), 1,
+                                                 False, 64, 1, 1, seconds)
+    assert routed == 128 and tokens == {64}
+    assert experts[("x", 96, 320)] == "experts_fc1"
+    assert experts[("w", 320, 96)] == "experts_fc1_wgrad"
+    assert experts[("x", 96, 160)] == "experts_fc2_dgrad"
+    assert not set(experts) & set(names)
+    g = GemmPacer(None, names, tokens, experts, routed)
+    x = lambda *s: torch.empty(*s)  # noqa: E731
+    assert g.name("mm", (x(32, 96), x(96, 320))) == ("experts_fc1", 0.25)
+    assert g.name("mm", (x(320, 48), x(48, 96))) == ("experts_fc1_wgrad", 0.375)
+    assert g.name("mm", (x(64, 96), x(96, 512))) is None          # the output layer
+    dense = _gemm_names(load_model_config("tiny-llama-emu"), 1, False, 64, 1, 1,
+                        {f"{o}{x}": 1.0 for o in ("qkv", "proj", "fc1", "fc2")
+                         for x in ("", "_dgrad", "_wgrad")})
+    assert dense[2] == {} and dense[3] == 0
 
 
 @pytest.mark.parametrize("compute,emulate,msg", [

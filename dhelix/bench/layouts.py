@@ -11,9 +11,9 @@ otherwise start from different weights).
 With `--compute paced:CLUSTER[,x=F] --emulate MODEL[,seq=S,mbs=B]` (and a paced `--link`)
 the ranks keep an emulated model's time (`train/emulate.py`: megatron's layers paced GEMM
 by GEMM, DHelix's op by op, collectives at the emulated bytes), the small model is
-`--config` (default `tiny-llama-emu`, whose GEMMs tell apart by shape), `--data-parallel-
-size` widens the rows to 16 ranks and more, and the table gives the emulated step times
-and tokens/s. Rows with context parallel or experts are not paced yet (refused).
+`--config` (default `tiny-llama-emu`, whose GEMMs tell apart by shape; `tiny-moe-emu` and
+`--emulate-moe` for the MoE row), `--data-parallel-size` widens the rows to 16 ranks and
+more, and the table gives the emulated step times and tokens/s.
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ class LayoutsOptions:
     link: str = "none"
     compute: str = "none"                        # paced:CLUSTER[,x=F]: emulated time
     emulate: str = ""                            # the emulated shape (with compute)
+    emulate_moe: str = "phi-3.5-moe"             # the MoE row's (seq, mbs: --emulate's)
     config: Optional[str] = None                 # the small model (default: the row's;
     #                                              with --compute tiny-llama-emu)
     data_parallel_size: Optional[int] = None     # instead of each row's DP (2)
@@ -68,7 +69,9 @@ class LayoutsOptions:
 
 
 def _common(row: LayoutRow, o: LayoutsOptions) -> List[str]:
-    small = o.config or ("tiny-llama-emu" if o.compute != "none" else row.config)
+    paced = o.compute != "none"
+    small = o.config or (row.config if not paced else
+                         "tiny-moe-emu" if row.ep > 1 else "tiny-llama-emu")
     argv = ["--config", small, "--tensor-model-parallel-size", str(row.tp),
             "--seq-length", str(o.seq_length), "--micro-batch-size", str(o.micro_batch_size),
             "--data", "synthetic"]
@@ -79,9 +82,17 @@ def _common(row: LayoutRow, o: LayoutsOptions) -> List[str]:
     if row.ep > 1:
         argv += ["--expert-model-parallel-size", str(row.ep),
                  "--expert-tensor-parallel-size", "1"]
-    if o.compute != "none":
-        argv += ["--compute", o.compute, "--emulate", o.emulate]
+    if paced:
+        argv += ["--compute", o.compute, "--emulate", _emulated(row, o)]
     return argv
+
+
+def _emulated(row: LayoutRow, o: LayoutsOptions) -> str:
+    """The row's emulated shape: --emulate, or for the MoE row --emulate-moe with
+    --emulate's seq= and mbs=."""
+    if row.ep == 1:
+        return o.emulate
+    return ",".join([o.emulate_moe] + o.emulate.split(",")[1:])
 
 
 def _train_argv(row: LayoutRow, o: LayoutsOptions, method: str, out_json: str,
@@ -120,14 +131,10 @@ def run_layouts(o: LayoutsOptions) -> int:
     if o.data_parallel_size:
         from dataclasses import replace
         rows = [replace(r, dp=o.data_parallel_size) for r in rows]
-    if o.compute != "none":
-        refused = [r.name for r in rows if r.cp > 1 or r.ep > 1]
-        why = (f"rows without CP or EP only (not {', '.join(refused)}): choose --rows "
-               f"TP×DP,TP×PP×DP" if refused else
-               "on the paced link: add --link paced:1gbit")
-        if refused or link.kind != "paced":
-            print(f"dhelix layouts: error: --compute paces {why}", file=sys.stderr)
-            return 2
+    if o.compute != "none" and link.kind != "paced":
+        print("dhelix layouts: error: --compute paces on the paced link: add --link "
+              "paced:1gbit", file=sys.stderr)
+        return 2
     work = tempfile.mkdtemp(prefix="dhelix-layouts-")
     log = os.path.join(work, "runs.log")
     results = []

@@ -30,9 +30,12 @@ def add_parser(sub) -> None:
                         "paced --link; docs/links.md)")
     p.add_argument("--emulate", default=D.emulate, metavar="MODEL[,seq=S][,mbs=B]",
                    help="with --compute: the emulated model shape")
+    p.add_argument("--emulate-moe", default=D.emulate_moe, metavar="MODEL",
+                   help="with --compute: the MoE row's emulated model (seq= and mbs= as "
+                        "--emulate's; default: %(default)s)")
     p.add_argument("--config", default=D.config,
                    help="the model that runs (default: each row's; with --compute "
-                        "tiny-llama-emu)")
+                        "tiny-llama-emu, tiny-moe-emu for the MoE row)")
     p.add_argument("--data-parallel-size", type=int, default=D.data_parallel_size,
                    help="DP of every row instead of 2 (e.g. 4: TP×PP×DP on 16 ranks)")
     p.add_argument("--out", default=D.out, help="prefix for .md and .json "

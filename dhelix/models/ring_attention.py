@@ -19,6 +19,7 @@ numbers in the same order. The message of each exchange is one tensor: K and V s
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -230,6 +231,11 @@ def exchange(lanes, op: str, ring: Ring, x: torch.Tensor):
     return lanes.ring_exchange(op, x, ring.next, ring.prev, ring.group, ring.lane)
 
 
+# `RingAttention`'s ring steps run under STEP(name), name the DHelix op the step is
+# (attn_i, attn_b_i): paced compute (`train/emulate.py`) sets it to pace them.
+STEP = lambda name: nullcontext()  # noqa: E731
+
+
 class _RingFunction(torch.autograd.Function):
     """The ring run op after op, as one autograd node (megatron's CP attention is one
     node too). Each exchange is started one step ahead of the compute that needs it."""
@@ -243,7 +249,8 @@ class _RingFunction(torch.autograd.Function):
         cur = kv
         for i in range(ring.size):
             nxt = exchange(lanes, f"kv_{i}", ring, cur) if i < ring.size - 1 else None
-            forward_step(ring, i, qh, cur, o, lse, scale)
+            with STEP(f"attn_{i}"):
+                forward_step(ring, i, qh, cur, o, lse, scale)
             cur = lanes.resolve(nxt) if nxt is not None else None
         ctx.save_for_backward(qh, kv, o, lse)
         ctx.ring, ctx.scale, ctx.dtype = ring, scale, q.dtype
@@ -273,7 +280,8 @@ def run_backward_ring(lanes, ring: Ring, qh, kv, lse, do, delta, dq, scale):
         msg = backward_message(i, ring.size, cur, acc)
         pend = exchange(lanes, f"kv_b_{i}", ring, msg)
         if i < ring.size:
-            part = backward_step(ring, i, qh, cur, lse, do, delta, dq, scale)
+            with STEP(f"attn_b_{i}"):
+                part = backward_step(ring, i, qh, cur, lse, do, delta, dq, scale)
         nxt, acc = unpack_backward(i, ring.size, lanes.resolve(pend))
         if part is not None:
             acc = add_part(acc, part)

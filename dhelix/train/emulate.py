@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -100,6 +101,7 @@ class Pacer:
     paced_s: float = 0.0              # their emulated time, summed
     ops: int = 0
     late: Dict[str, int] = field(default_factory=dict)   # ops that ran past their time
+    counts: Dict[str, int] = field(default_factory=dict)  # paced calls, by op
     emulated: Optional[LayerOps] = None   # the emulated shape's layer and its cost table
     table: object = None
 
@@ -115,14 +117,17 @@ class Pacer:
             _LOCAL.in_op = False
         self.after(op.spec.name, t0 + S.waited - w0)
 
-    def after(self, name: str, t0: float) -> None:
+    def after(self, name: str, t0: float, share: float = 1.0) -> None:
+        """Op `name` (or `share` of it: one expert's GEMM of an expert op) started at
+        `t0` and has run: wait out the rest of its emulated time."""
         now = time.perf_counter()
-        d = self.seconds[name]
+        d = self.seconds[name] * share
         if self.slowdown and self.link is not None:   # as the simulator's pair model
             d += self.slowdown * self.link.busy_seconds(t0, t0 + d)
         self.own_s += now - t0
         self.paced_s += d
         self.ops += 1
+        self.counts[name] = self.counts.get(name, 0) + 1
         if now < t0 + d:
             time.sleep(t0 + d - now)
         else:
@@ -138,29 +143,59 @@ _ACTIVE: Dict[str, Pacer] = {}
 _LOCAL = threading.local()          # .in_op: a DHelix op is running (paced as a whole)
 
 
+@contextmanager
+def paced_op(name: str):
+    """A piece of megatron's layer that DHelix runs as the op `name` — the ring attention's
+    steps (`models/ring_attention.py`), whose own kernels are not GEMMs `GemmPacer` can
+    name: paced as that op, when megatron's layers are paced (a no-op otherwise, and
+    inside a DHelix op, which is paced as a whole). Its kernels are not named meanwhile."""
+    g = _ACTIVE.get("gemm")
+    if g is None or getattr(_LOCAL, "in_op", False):
+        yield
+        return
+    t0 = time.perf_counter()
+    _LOCAL.in_op = True
+    try:
+        yield
+    finally:
+        _LOCAL.in_op = False
+    g.pacer.after(name, t0)
+
+
 class GemmPacer:
     """Paced compute for the layers DHelix does not run op by op — megatron's own
     TransformerLayer, the baseline: each of their GEMMs (and attention kernels) is named
     by its weight's shape as the DHelix op it is (qkv, proj, fc1, fc2: forward, dgrad,
     wgrad; attn, attn_b) and waits out that op's emulated time, as `Pacer.after` does.
-    Hooked into the CPU kernels (`contention.py`'s mechanism); other GEMMs (the output
-    layer's) and elementwise ops run at their own speed, as on the DHelix path."""
+    An expert's GEMM (megatron's SequentialMLP runs the experts one by one, each on the
+    rows routed to it) waits out its rows' share of the expert op: rows / the routed rows
+    the op is priced for (the balanced expectation, `planner/shapes.py`). The ring
+    attention's steps are paced by `paced_op`. Hooked into the CPU kernels
+    (`contention.py`'s mechanism); other GEMMs (the output layer's, the router's) and
+    elementwise ops run at their own speed, as on the DHelix path."""
 
-    def __init__(self, pacer: Pacer, names: Dict[tuple, str], tokens: set):
+    def __init__(self, pacer: Pacer, names: Dict[tuple, str], tokens: set,
+                 experts: Optional[Dict[tuple, str]] = None, routed: int = 0):
         self.pacer, self.names, self.tokens = pacer, names, tokens
+        self.experts, self.routed = experts or {}, routed
 
-    def name(self, func: str, args) -> Optional[str]:
+    def name(self, func: str, args) -> Optional[tuple]:
+        """(the DHelix op, the share of it) a kernel call is, or None."""
         if func.startswith("_scaled_dot_product_flash_attention_for_cpu"):
-            return "attn_b" if func.endswith("backward") else "attn"
+            return ("attn_b" if func.endswith("backward") else "attn"), 1.0
         if func in ("mm", "addmm"):
             a, b = (args[0], args[1]) if func == "mm" else (args[1], args[2])
             if a.dim() != 2 or b.dim() != 2:
                 return None
             (m, k), n = a.shape, b.shape[1]
-            if m in self.tokens:
-                return self.names.get(("x", k, n))          # forward or dgrad
-            if k in self.tokens:
-                return self.names.get(("w", m, n))          # wgrad
+            if m in self.tokens and ("x", k, n) in self.names:
+                return self.names[("x", k, n)], 1.0          # forward or dgrad
+            if k in self.tokens and ("w", m, n) in self.names:
+                return self.names[("w", m, n)], 1.0          # wgrad
+            if ("x", k, n) in self.experts:                   # an expert's rows
+                return self.experts[("x", k, n)], m / self.routed
+            if ("w", m, n) in self.experts:
+                return self.experts[("w", m, n)], k / self.routed
         return None
 
     def call(self, func: str, fn, *args, **kwargs):
@@ -168,45 +203,67 @@ class GemmPacer:
             return fn(*args, **kwargs)
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
-        name = self.name(func, args[1:] if args and not isinstance(args[0], torch.Tensor)
-                         else args)
-        if name is not None and name in self.pacer.seconds:
-            self.pacer.after(name, t0)
+        named = self.name(func, args[1:] if args and not isinstance(args[0], torch.Tensor)
+                          else args)
+        if named is not None and named[0] in self.pacer.seconds:
+            self.pacer.after(named[0], t0, named[1])
         return out
 
 
 def _gemm_names(small, tp: int, sp: bool, seq: int, mbs: int, cp: int,
                 seconds: Dict[str, float]) -> tuple:
-    """(a GEMM's shape -> the DHelix op it is, the tokens its rows hold) of the running
-    layer: ("x", K, N) for a forward or dgrad (M = the tokens), ("w", M, N) for a wgrad
-    (K = the tokens). Two GEMMs of one shape are one key when their emulated times agree
-    (megatron's fc1 dgrad and fc2 forward, without a gated MLP); EmulationError when they
-    do not, or when the token count is also a weight width."""
+    """The running layer's GEMMs by shape: (dense: shape -> the DHelix op it is, the
+    tokens its rows hold, experts: shape -> the expert op, the routed rows an expert op is
+    priced for). ("x", K, N) is a forward or dgrad (M = the tokens, or an expert's rows),
+    ("w", M, N) a wgrad (K = the tokens or rows). Two GEMMs of one shape are one key when
+    their emulated times agree (fc1's dgrad and fc2's forward, without a gated MLP);
+    EmulationError when they do not, when the token count is also a weight width, or when
+    an expert's shape is another GEMM's (the router's, the output layer's)."""
     from dhelix.models.gpt import transformer_config
     from dhelix.planner.shapes import _sizes
     sp = sp and tp > 1
     z = _sizes(transformer_config(small, tp=tp, sequence_parallel=sp), tp, sp, seq, mbs, cp)
     T = z["s"] * mbs           # megatron's GEMMs see the gathered sequence under SP
-    weights = {"qkv": (z["h"], z["qkv"] // tp), "proj": (z["ap"] // tp, z["h"]),
-               "fc1": (z["h"], z["f1"] // tp), "fc2": (z["f"] // tp, z["h"])}
-    names = {}
+    h = z["h"]
+    weights = {"qkv": (h, z["qkv"] // tp), "proj": (z["ap"] // tp, h)}
+    experts = {}
+    if small.num_experts:      # experts are not TP-split (expert TP 1)
+        if small.moe_shared_expert_intermediate_size:
+            raise EmulationError("--compute paced:...: megatron's shared experts are not "
+                                 "paced; emulate a model without them, or run --dhelix")
+        experts = {"experts_fc1": (h, z["f1"]), "experts_fc2": (z["f"], h)}
+    else:
+        weights.update(fc1=(h, z["f1"] // tp), fc2=(z["f"] // tp, h))
 
     def clash(what):
         return EmulationError(
             f"--compute paced:...: {what}; megatron's GEMMs cannot be told apart: choose "
             f"another --seq-length / --micro-batch-size (or a model whose hidden, QKV and "
             f"FFN widths differ)")
-    for op, (i, o) in weights.items():
-        if T in (i, o):
-            raise clash(f"the {op} weight ({i} x {o}) is as wide as the {T} tokens")
-        for key, name in ((("x", i, o), op), (("x", o, i), f"{op}_dgrad"),
-                          (("w", o, i), f"{op}_wgrad")):
-            other = names.get(key)
-            if other is not None and abs(seconds[other] - seconds[name]) > \
-                    1e-9 * max(seconds[name], 1e-30):
-                raise clash(f"{other} and {name} have one shape {key[1:]}")
-            names.setdefault(key, name)
-    return names, {T}
+
+    def keyed(ws):
+        names = {}
+        for op, (i, o) in ws.items():
+            if T in (i, o):
+                raise clash(f"the {op} weight ({i} x {o}) is as wide as the {T} tokens")
+            for key, name in ((("x", i, o), op), (("x", o, i), f"{op}_dgrad"),
+                              (("w", o, i), f"{op}_wgrad")):
+                other = names.get(key)
+                if other is not None and abs(seconds[other] - seconds[name]) > \
+                        1e-9 * max(seconds[name], 1e-30):
+                    raise clash(f"{other} and {name} have one shape {key[1:]}")
+                names.setdefault(key, name)
+        return names
+    names, by_expert = keyed(weights), keyed(experts)
+    others = {"the router": small.num_experts or 0, "the output layer": small.vocab_size // tp}
+    for key, name in by_expert.items():
+        if key in names:
+            raise clash(f"{names[key]} and {name} have one shape {key[1:]}")
+        for what, n in others.items():
+            if n and n in key[1:] and h in key[1:]:
+                raise clash(f"{name} has the shape of {what}'s GEMM {key[1:]}")
+    routed = z["s_loc"] * mbs * (small.moe_router_topk if small.num_experts else 0)
+    return names, {T}, by_expert, routed
 
 
 def _install_gemm_hook(gp: GemmPacer) -> None:
@@ -236,6 +293,8 @@ def _install_gemm_hook(gp: GemmPacer) -> None:
                              f".{op._overloadname}"), impl, "CPU", with_keyset=True)
     _ACTIVE["gemm_lib"] = lib
     _ACTIVE["gemm"] = gp
+    from dhelix.models import ring_attention
+    ring_attention.STEP = paced_op          # the ring's steps, paced as DHelix's attn ops
 
 
 def active() -> Optional[Pacer]:
@@ -298,9 +357,8 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
     executor.PACE = pacer
     _ACTIVE["pacer"] = pacer
     if gemms:                      # megatron's own layers in this run: pace their GEMMs
-        names, tokens = _gemm_names(small, tp, sp, seq_length, micro_batch_size, cp,
-                                    seconds)
-        _install_gemm_hook(GemmPacer(pacer, names, tokens))
+        _install_gemm_hook(GemmPacer(pacer, *_gemm_names(small, tp, sp, seq_length,
+                                                         micro_batch_size, cp, seconds)))
     return pacer
 
 
@@ -357,7 +415,7 @@ def report(pacer: Pacer, emu: Emulation, step_s: float, microbatches: int, dp: i
     return {"emulate": emu.model, "cluster": emu.cluster, "factor": emu.factor,
             "step_s": step, "tokens_per_s": tokens / step, "own_share": pacer.own_share,
             "paced_ops": pacer.ops, "paced_compute_s": pacer.paced_s,
-            "late_ops": dict(pacer.late)}
+            "late_ops": dict(pacer.late), "paced_op_counts": dict(pacer.counts)}
 
 
 def uninstall() -> None:
