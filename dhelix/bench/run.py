@@ -27,6 +27,10 @@ With --context-parallel-size C > 1 the baseline is megatron's layer with DHelix'
 attention run op after op (megatron-core's local spec has no CP attention) and the
 planned rows add what the simulator predicted for the layer (trivial plan / plan) from
 the same table the run planned with.
+
+With --compute paced:CLUSTER --emulate MODEL (one paced link) the ranks keep an emulated
+cluster's time, and each row is the measured emulated step beside the simulators'
+prediction for the same layout and schedule (`emulated.py`).
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Dict, List
 
-from dhelix.bench import predict, report
+from dhelix.bench import emulated, predict, report
 from dhelix.bench.report import EP_METHODS, METHODS, PP_METHODS
 from dhelix.links import parse_link
 
@@ -60,6 +64,8 @@ class BenchOptions:
     rounds: int = 1                           # every method this many times, alternating
     planner_source: str = "table"             # "table" (profiled) or "analytical"
     profile_repeats: int = 3
+    compute: str = "none"                     # paced:CLUSTER[,x=F]: emulated time
+    emulate: str = ""                         # the emulated shape (with compute)
     out: str = "bench"                        # prefix for .md, .json and .png
 
 
@@ -140,9 +146,12 @@ def _argv(a, cfg, out_json, method, cluster, trace):
     if method == "intra-batch":
         argv += ["--dhelix-peer", "intra-batch"]
     elif method == "dhelix-trivial":
-        argv += ["--dhelix", "--dhelix-plan", "trivial", "--dhelix-trace", trace]
+        argv += ["--dhelix", "--dhelix-plan", "trivial"] + \
+            (["--dhelix-trace", trace] if a.compute == "none" else [])
     elif method in ("dhelix-plan", "dhelix-halves", "dhelix-fold"):
-        argv += ["--dhelix"] + (["--dhelix-overlap-table", cluster]
+        # (paced compute: no cost source, the plan is made for the emulated shape)
+        argv += ["--dhelix"] + ([] if not cluster else
+                                ["--dhelix-overlap-table", cluster]
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
         if method == "dhelix-halves":
             argv += ["--dhelix-halves"]
@@ -154,6 +163,8 @@ def _argv(a, cfg, out_json, method, cluster, trace):
                  "--expert-tensor-parallel-size", "1"]
     if cp > 1:
         argv += ["--context-parallel-size", str(cp)]
+    if a.compute != "none" and trace is not None:
+        argv += ["--compute", a.compute, "--emulate", a.emulate]
     if pp > 1:
         # every schedule starts from one PP=1 checkpoint: megatron would initialise each
         # layout's stages from different seeds
@@ -177,6 +188,30 @@ def _node_env(a) -> Dict[str, str]:
             a.expert_model_parallel_size > 1 or a.nproc <= tp:
         return {}
     return {"DHELIX_NODE_IDS": ",".join(str(r // tp) for r in range(a.nproc))}
+
+
+def _check_emulation(a, links):
+    """The parsed --compute/--emulate (None without): one paced link (the emulation
+    replaces its rates with the cluster's), and a layout that fills --nproc."""
+    from dhelix.train.emulate import parse
+    emu = parse(a.compute, a.emulate)
+    if emu is None:
+        return None
+    if len(links) != 1 or links[0].kind != "paced":
+        raise ValueError(f"--compute {a.compute}: give one paced link (--links "
+                         f"paced:1gbit): the emulated cluster's links replace its rate, so "
+                         f"other links would repeat the same rows")
+    tp, cp, pp = (a.tensor_model_parallel_size, a.context_parallel_size,
+                  a.pipeline_model_parallel_size)
+    if a.nproc % (tp * cp * pp):
+        raise ValueError(f"--nproc {a.nproc} is not a multiple of TP×CP×PP = {tp * cp * pp}")
+    return emu
+
+
+def _emulated_nodes(a, emu) -> Dict[str, str]:
+    """The ranks on the emulated cluster's nodes (its gpus_per_node each)."""
+    from dhelix.train.emulate import _cluster
+    return {"DHELIX_NODE_IDS": ",".join(map(str, emulated.node_ids(a, _cluster(emu.cluster))))}
 
 
 def _profile_argv(a, cfg, out_table):
@@ -204,19 +239,23 @@ def run_bench(a: BenchOptions) -> int:
     from dhelix.strand.trace import trace_files
     from dhelix.train.dist import spawn_local
 
-    configs = [c for c in a.configs.split(",") if c]
     try:
         links = [parse_link(l, "--links") for l in _split_links(a.links)]
-    except LinkError as e:
+        emu = _check_emulation(a, links)
+    except (LinkError, ValueError) as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2
+    if emu and a.configs == BenchOptions.configs:
+        a.configs = emulated.DEFAULT_CONFIGS[a.expert_model_parallel_size > 1]
+    configs = [c for c in a.configs.split(",") if c]
     work = tempfile.mkdtemp(prefix="dhelix-bench-")
     log = os.path.join(work, "runs.log")
     rows: List[dict] = []
     methods = PP_METHODS if a.pipeline_model_parallel_size > 1 else \
         EP_METHODS if a.expert_model_parallel_size > 1 or a.context_parallel_size > 1 \
-        else METHODS
-    per = len(methods) * a.rounds + (a.planner_source == "table")
+        or emu else METHODS
+    profile = a.planner_source == "table" and not emu
+    per = len(methods) * a.rounds + profile
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
         for lk in links:
@@ -226,7 +265,7 @@ def run_bench(a: BenchOptions) -> int:
                     if a.pipeline_model_parallel_size > 1 and \
                             not os.path.isdir(os.path.join(work, f"init-{cfg}")):
                         init = _argv(a, cfg, os.path.join(work, "init.json"), "megatron",
-                                     "", "")
+                                     "", None)
                         init = init[:init.index("--train-iters")] + [
                             "--train-iters", "0", "--save", os.path.join(work, f"init-{cfg}")]
                         rc = spawn_local(a.tensor_model_parallel_size, init, prefix=prefix,
@@ -234,7 +273,9 @@ def run_bench(a: BenchOptions) -> int:
                         if rc != 0:
                             raise RuntimeError(f"{cfg}: the initial checkpoint failed (exit "
                                                f"{rc}); see {log}")
-                    if a.planner_source == "table":
+                    if emu:        # the cost source is the emulated cluster's file
+                        cluster = ""
+                    elif profile:
                         cluster = os.path.join(work, f"table-{cfg}-{link}.json")
                         bar.set_postfix_str(f"{cfg} {link} profile")
                         # the layer's TP (× EP × CP) groups alone: the table is per layer
@@ -250,7 +291,7 @@ def run_bench(a: BenchOptions) -> int:
                     else:
                         cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))
                     res = {}
-                    env = dict(env, **_node_env(a))
+                    env = dict(env, **(_emulated_nodes(a, emu) if emu else _node_env(a)))
                     for rnd in range(a.rounds):
                         for method in methods:
                             out = os.path.join(work, f"{cfg}-{link}-{method}-{rnd}.json")
@@ -273,7 +314,10 @@ def run_bench(a: BenchOptions) -> int:
                                                      r["tokens_per_s"]) / (rnd + 1)
                             res[method] = r
                             bar.update(1)
-                    if a.pipeline_model_parallel_size > 1:
+                    if emu:
+                        rows += emulated.rows(a, cfg, link, res, methods,
+                                              emulated.predictions(a, cfg, emu))
+                    elif a.pipeline_model_parallel_size > 1:
                         rows += report.pp_rows(a, cfg, link, res, cluster)
                     else:
                         rows += report.rows(cfg, link, res,
@@ -285,7 +329,8 @@ def run_bench(a: BenchOptions) -> int:
         return 2
     finally:
         bar.close()
-    md = report.pp_markdown(rows) if a.pipeline_model_parallel_size > 1 else \
+    md = emulated.markdown(rows) if emu else \
+        report.pp_markdown(rows) if a.pipeline_model_parallel_size > 1 else \
         report.markdown(rows)
     print(md)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -293,7 +338,9 @@ def run_bench(a: BenchOptions) -> int:
         f.write(md + "\n")
     with open(a.out + ".json", "w") as f:
         json.dump({"args": asdict(a), "rows": rows}, f, indent=1)
-    if a.pipeline_model_parallel_size > 1:
+    if emu:
+        emulated.plot(rows, a.out + ".png")
+    elif a.pipeline_model_parallel_size > 1:
         report.plot(rows, a.out + ".png", PP_METHODS, "megatron 1F1B")
     else:
         report.plot(rows, a.out + ".png", methods)

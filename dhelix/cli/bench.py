@@ -51,6 +51,13 @@ def add_parser(sub) -> None:
                         "before (DHelix's way), or from the analytical model of this machine")
     p.add_argument("--profile-repeats", type=int, default=D.profile_repeats,
                    help="timed repeats per op and pair in the profile (default: %(default)s)")
+    p.add_argument("--compute", default=D.compute, metavar="paced:CLUSTER[,x=F]",
+                   help="paced compute: the ranks keep --emulate's time on CLUSTER (a40, "
+                        "a800, h100 or a YAML), with one paced link; each row's emulated "
+                        "step beside the simulators' prediction (docs/bench.md)")
+    p.add_argument("--emulate", default=D.emulate, metavar="MODEL[,seq=S][,mbs=B]",
+                   help="with --compute: the emulated model shape (the small model that "
+                        "runs: --configs, default tiny-llama-emu / tiny-moe-emu)")
     p.add_argument("--out", default=D.out, help="prefix for .md, .json and .png "
                                                   "(default: %(default)s)")
     p.set_defaults(func=run)

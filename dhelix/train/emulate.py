@@ -301,38 +301,116 @@ def active() -> Optional[Pacer]:
     return _ACTIVE.get("pacer")
 
 
-def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int = 1,
-            ep: int = 1, seq_length: int, micro_batch_size: int, bf16: bool = False,
-            groups: Dict[str, object], gemms: bool = False) -> Pacer:
-    """Pace this rank: `small` is the running model's config and `live` its layer's ops
-    at `seq_length` × `micro_batch_size`, `groups` the
-    process groups by name ("tp", "cp", "ep", "dp", "pp"). Needs the paced link (it
-    prices the collectives); sets its rates to the cluster's, slowed by the factor."""
-    from dhelix.links.paced import active as active_link
+def emulated_layer(emu: Emulation, *, tp: int, sp: bool, cp: int = 1, ep: int = 1,
+                   seq_length: int, micro_batch_size: int) -> tuple:
+    """(the emulated model's config, its layer's ops at this TP/SP/CP/EP and the emulated
+    sequence and micro-batch — `seq_length` and `micro_batch_size` unless the emulation
+    gives its own —, their cost table on the cluster, the cluster): what paced compute
+    waits out and what the simulators predict with (`bench/predict.py`)."""
     from dhelix.models.config import load_model_config
     from dhelix.planner.costmodel import analytical_table, group_sizes_of
     from dhelix.planner.shapes import layer_ops_for_shape
+    cluster = _cluster(emu.cluster)
+    big = load_model_config(emu.model)
+    s, b = emu.seq_length or seq_length, emu.micro_batch_size or micro_batch_size
+    try:
+        ops = layer_ops_for_shape(big, tp, sp, s, b, bf16=True, ep=ep, cp=cp)
+    except ValueError as e:
+        raise EmulationError(f"--emulate {emu.model}: {e}") from None
+    table = analytical_table(ops, cluster, group_sizes_of({"tp": tp, "cp": cp, "ep": ep}, ops),
+                             cluster_name=emu.cluster)
+    return big, ops, table, cluster
+
+
+# ---- gradients: what the DP (and expert-DP) reduction moves ----------------------------
+def param_classes(m, tp: int, ep: int = 1) -> Dict[str, float]:
+    """Parameters one rank holds, per kind of megatron parameter: "layer" (one layer's
+    dense weights, TP-split, norms and router included), "experts" (one layer's local
+    experts), "embedding", "output" (vocab-parallel), "norm" (the final norm)."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    hn = getattr(m, "kv_channels", None) or h // m.num_attention_heads
+    qkv = (m.num_attention_heads + 2 * (m.num_query_groups or m.num_attention_heads)) * hn
+    ap = m.num_attention_heads * hn
+    f1 = f * (2 if m.activation == "swiglu" else 1)
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    bias = m.add_bias_linear
+    attn = (h * qkv + ap * h + (qkv if bias else 0)) / tp + (h if bias else 0)
+    mlp = (h * f1 + f * h + (f1 if bias else 0)) / tp + (h if bias else 0)
+    out = {"embedding": m.vocab_size * h / tp, "output": m.vocab_size * h / tp, "norm": norm}
+    if m.num_experts:
+        out["layer"] = attn + 2 * norm + m.num_experts * h
+        out["experts"] = m.num_experts / ep * (h * f1 + f * h)
+    else:
+        out["layer"], out["experts"] = attn + mlp + 2 * norm, 0.0
+    return out
+
+
+def param_class(name: str) -> str:
+    """The kind (`param_classes`) of a parameter of megatron's GPT by its name."""
+    if ".experts." in name:
+        return "experts"
+    if ".layers." in name:
+        return "layer"
+    if "word_embeddings" in name or "position_embeddings" in name:
+        return "embedding"
+    if "output_layer" in name:
+        return "output"
+    return "norm"
+
+
+def grad_scales(small, big, chunks, tp: int, ep: int) -> Dict[str, float]:
+    """{"dp": ..., "edp": ...}: the emulated model's gradient bytes over the small one's,
+    for the DP group (dense parameters) and the expert-DP group (the experts') of the
+    stage on this rank: each parameter counts as the emulated model's parameter of its
+    kind (the embedding as the emulated vocabulary's, a layer as its layer's). Gradients
+    stay in the small model's dtype (fp32 here: megatron's default main grads)."""
+    cs, cb = param_classes(small, tp, ep), param_classes(big, tp, ep)
+    num, den = {"dp": 0.0, "edp": 0.0}, {"dp": 0.0, "edp": 0.0}
+    for c in chunks:
+        for name, p in c.named_parameters():
+            k = param_class(name)
+            g = "edp" if k == "experts" else "dp"
+            num[g] += p.numel() * cb[k] / cs[k]
+            den[g] += p.numel()
+    return {g: num[g] / den[g] if den[g] else 1.0 for g in num}
+
+
+def stage_grad_bytes(m, tp: int, ep: int, layers: int, first: bool, last: bool,
+                     dtype_bytes: int = 4) -> Dict[str, float]:
+    """{"dp", "edp"}: bytes of gradients a pipeline stage of `layers` layers reduces over
+    DP and expert-DP (the embedding on the first stage, final norm and output layer on the
+    last), as `grad_scales` makes the emulation move them."""
+    c = param_classes(m, tp, ep)
+    dense = layers * c["layer"] + (c["embedding"] if first else 0) + \
+        ((c["output"] + c["norm"]) if last else 0)
+    return {"dp": dense * dtype_bytes, "edp": layers * c["experts"] * dtype_bytes}
+
+
+def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int = 1,
+            ep: int = 1, seq_length: int, micro_batch_size: int, bf16: bool = False,
+            groups: Dict[str, object], gemms: bool = False,
+            grads: Optional[Dict[str, float]] = None) -> Pacer:
+    """Pace this rank: `small` is the running model's config and `live` its layer's ops
+    at `seq_length` × `micro_batch_size`, `groups` the process groups by name ("tp",
+    "cp", "ep", "dp", "edp", "pp"), `grads` the DP groups' byte ratios (`grad_scales`;
+    default: one layer's). Needs the paced link (it prices the collectives); sets its
+    rates to the cluster's, slowed by the factor."""
+    from dhelix.links.paced import active as active_link
     from dhelix.strand import executor
     link = active_link()
     if link is None:
         raise EmulationError("--compute paced:... prices collectives on the paced link: add "
                              "--link paced:RATE (its rate is replaced by the cluster's)")
-    cluster = _cluster(emu.cluster)
-    big = load_model_config(emu.model)
+    big, emulated, table, cluster = emulated_layer(
+        emu, tp=tp, sp=sp, cp=cp, ep=ep, seq_length=seq_length,
+        micro_batch_size=micro_batch_size)
     s, b = emu.seq_length or seq_length, emu.micro_batch_size or micro_batch_size
-    try:
-        emulated = layer_ops_for_shape(big, tp, sp, s, b, bf16=True, ep=ep, cp=cp)
-    except ValueError as e:
-        raise EmulationError(f"--emulate {emu.model}: {e}") from None
     names = lambda ops: [o.name for o in ops.forward] + [o.name for o in ops.backward]  # noqa
     if names(emulated) != names(live):
         raise EmulationError(f"--emulate {emu.model}: its layer's ops "
                              f"({', '.join(names(emulated))}) are not the running layer's "
                              f"({', '.join(names(live))}): emulate a model of the same kind "
                              f"(dense or MoE, the same norm and activation)")
-    table = analytical_table(emulated, cluster,
-                             group_sizes_of({"tp": tp, "cp": cp, "ep": ep}, emulated),
-                             cluster_name=emu.cluster)
     f = emu.factor
     seconds = {o.name: (table.alone_f if o in emulated.forward else table.alone_b)[o.name] * f
                for o in list(emulated.forward) + list(emulated.backward) if o.kind != COMM}
@@ -346,7 +424,8 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
     act = (s * b * big.hidden_size * 2) / (seq_length * micro_batch_size * small.hidden_size
                                            * (2 if bf16 else 4))
     ratio.setdefault("pp", act)                     # hidden states between stages
-    ratio.setdefault("dp", _layer_params(big) / _layer_params(small))   # gradients
+    for g, r in (grads or {"dp": _layer_params(big) / _layer_params(small)}).items():
+        ratio.setdefault(g, r)                      # gradients
     link.byte_scale = {id(g): ratio.get(k, act) for k, g in groups.items() if g is not None}
     link.lanes = {k: (float(cluster[k]["bandwidth_GBps"]) * 1e9 *
                       float(cluster[k].get("efficiency", 1.0)) / f,
@@ -368,6 +447,7 @@ def install_for_run(cfg, m, layout, chunks) -> Pacer:
     megatron's layers GEMM by GEMM (`GemmPacer`), the collectives of every group at the
     emulated shape's bytes."""
     from megatron.core import parallel_state as ps
+    from dhelix.models.config import load_model_config
     from dhelix.strand.layer import DHelixLayer
     emu = parse(cfg.compute, cfg.emulate)
     layers = [mod for c in chunks for mod in c.modules() if isinstance(mod, DHelixLayer)]
@@ -380,13 +460,16 @@ def install_for_run(cfg, m, layout, chunks) -> Pacer:
                                    cp=layout.cp)
     groups = {"tp": ps.get_tensor_model_parallel_group(),
               "dp": ps.get_data_parallel_group(with_context_parallel=True),
+              "edp": ps.get_expert_data_parallel_group() if layout.ep > 1 else None,
               "pp": ps.get_pipeline_model_parallel_group() if layout.pp > 1 else None,
               "cp": ps.get_context_parallel_group() if layout.cp > 1 else None,
               "ep": ps.get_expert_model_parallel_group() if layout.ep > 1 else None}
     return install(emu, m, live, tp=layout.tp, sp=cfg.sequence_parallel, cp=layout.cp,
                    ep=layout.ep, seq_length=cfg.seq_length,
                    micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, groups=groups,
-                   gemms=not layers)
+                   gemms=not layers,
+                   grads=grad_scales(m, load_model_config(emu.model), chunks, layout.tp,
+                                     layout.ep))
 
 
 def plan_maker(pacer: Pacer):
