@@ -81,3 +81,19 @@ def train_paced_and_not(runs):
         paced = train(TrainConfig(compute="paced:a40,x=2", emulate=emulate, **kw))
         out.append((plain, paced))
     return out
+
+
+def train_with_plan_files(made_for_emulated, made_for_small):
+    """Paced `dhelix train --dhelix` with a plan file made for the emulated shape (its
+    result), then with one made for the small model's shape (the error it raises)."""
+    from dhelix.train.trainer import TrainConfig, train
+    kw = dict(config="tiny-llama-emu", tensor_model_parallel_size=2, sequence_parallel=True,
+              train_iters=1, micro_batch_size=1, global_batch_size=2, seq_length=64,
+              quiet=True, compute="paced:a40,x=2", emulate="llama-8b,seq=1024,mbs=1")
+    ok = train(TrainConfig(dhelix={"enabled": True, "plan": made_for_emulated}, **kw))
+    try:
+        train(TrainConfig(dhelix={"enabled": True, "plan": made_for_small}, **kw))
+        err = None
+    except Exception as e:          # noqa: BLE001 - the test reads the message
+        err = f"{type(e).__name__}: {e}"
+    return ok["losses"], ok["emulation"]["paced_ops"], err

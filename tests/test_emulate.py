@@ -100,6 +100,31 @@ def test_paced_ring_attention_and_experts_change_no_result(layout):
         assert megatron == pytest.approx(dhelix, rel=0.02)
 
 
+@pytest.mark.timeout(600)
+def test_plan_file_for_the_emulated_shape(tmp_path):
+    """`--dhelix-plan FILE` with paced compute is a plan for the emulated shape (`dhelix
+    plan --config llama-8b ...`): it runs, stamped for the small layer; a plan made for
+    the small model's own shape is refused, naming the file and what differs."""
+    import subprocess
+    import sys
+    from emulate_fns import train_with_plan_files
+    plans = {}
+    for name, shape in (("big", ["--config", "llama-8b", "--seq-length", "1024", "--bf16"]),
+                        ("small", ["--config", "tiny-llama-emu", "--seq-length", "64"])):
+        plans[name] = str(tmp_path / f"{name}.json")
+        r = subprocess.run([sys.executable, "-m", "dhelix.cli", "plan", *shape,
+                            "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            "--micro-batch-size", "1", "--cluster", "a40", "--out",
+                            plans[name]], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+    r = run_ranks(train_with_plan_files, 2, plans["big"], plans["small"], timeout=500,
+                  env={"DHELIX_LINK": "paced:1gbit"})
+    for losses, paced_ops, err in r:
+        assert len(losses) == 1 and paced_ops > 0
+        assert "small.json (--dhelix-plan, for the --emulate shape)" in err, err
+        assert "seq_length: plan 64, this run 1024" in err, err
+
+
 def test_megatron_gemms_that_cannot_be_told_apart_are_refused():
     """tiny-llama at TP=2: the QKV weight (64 x 64) and fc2's (64 x 64) have one shape but
     different emulated times: one message naming them and the fix."""
@@ -150,3 +175,111 @@ def test_bad_flags_are_one_message(compute, emulate, msg):
                        .replace("(", r"\(")):
         parse(compute, emulate)
     assert parse("none", "") is None
+
+
+# ---- dhelix bench at emulated time --------------------------------------------------------
+class _Chunk:
+    """Stands in for a model chunk: `grad_scales` reads only named parameters."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def named_parameters(self):
+        return list(self.params.items())
+
+
+def test_gradient_bytes_of_a_stage_are_the_emulated_models():
+    """The DP reduction of a stage moves the emulated model's gradients: a stage of the
+    small model (2 layers, the embedding; EP=2 experts) scaled by `grad_scales` is the
+    bytes `stage_grad_bytes` gives the emulated model's stage — the number the bench's
+    prediction uses."""
+    from dhelix.models.config import load_model_config
+    from dhelix.train.emulate import grad_scales, param_classes, stage_grad_bytes
+    for small, big, tp, ep in (("tiny-llama-emu", "llama-39b", 2, 1),
+                               ("tiny-moe-emu", "phi-3.5-moe", 1, 2)):
+        s, b = load_model_config(small), load_model_config(big)
+        c = param_classes(s, tp, ep)
+        p = lambda n: torch.empty(int(n))  # noqa: E731
+        params = {"embedding.word_embeddings.weight": p(c["embedding"])}
+        for i in range(2):
+            params[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = p(c["layer"])
+            if c["experts"]:
+                params[f"decoder.layers.{i}.mlp.experts.local_experts.0.linear_fc1.weight"] \
+                    = p(c["experts"])
+        scale = grad_scales(s, b, [_Chunk(params)], tp, ep)
+        want = stage_grad_bytes(b, tp, ep, 2, True, False)
+        dense = c["embedding"] + 2 * c["layer"]
+        assert dense * 4 * scale["dp"] == pytest.approx(want["dp"])
+        assert 2 * c["experts"] * 4 * scale["edp"] == pytest.approx(want["edp"])
+        assert scale["dp"] > 1000          # a 39B / 42B model's stage over a tiny one's
+
+
+def test_bench_prediction_puts_each_group_on_its_nodes_link():
+    """The prediction's DP reduction: on A40 (8 GPUs a node), TP=2 × PP=2 × DP=4 keeps a
+    stage's DP group in one node (PCIe), TP=2 × DP=8 spans two (InfiniBand); the pipeline
+    rows end with each stage's own reduction; with DP = 1 there is none."""
+    from types import SimpleNamespace
+    from dhelix.bench import emulated
+    from dhelix.models.config import load_model_config
+    from dhelix.planner.costmodel import collective_seconds
+    from dhelix.train.emulate import _cluster, parse, stage_grad_bytes
+    emu = parse("paced:a40", "llama-8b,seq=4096,mbs=1")
+    c = _cluster("a40")
+    small, big = load_model_config("tiny-llama-emu"), load_model_config("llama-8b")
+
+    def opts(nproc, pp, tp=2):
+        return SimpleNamespace(nproc=nproc, tensor_model_parallel_size=tp,
+                               context_parallel_size=1, pipeline_model_parallel_size=pp,
+                               expert_model_parallel_size=1, num_microbatches=4,
+                               seq_length=64, micro_batch_size=1)
+
+    def ring(lane, n, layers, first, last):
+        ln = c[f"{lane}_node"]
+        return collective_seconds(
+            "all_reduce", stage_grad_bytes(big, 2, 1, layers, first, last)["dp"], n,
+            ln["bandwidth_GBps"] * 1e9 * ln["efficiency"], ln["latency_us"] * 1e-6)
+    got = emulated.dp_reduce_seconds(opts(16, 2), small, big, c, [4, 4],
+                                     [(True, False), (False, True)])
+    assert got == pytest.approx([ring("intra", 4, 4, True, False),
+                                 ring("intra", 4, 4, False, True)])
+    got = emulated.dp_reduce_seconds(opts(16, 1), small, big, c, [8], [(True, True)])
+    assert got == pytest.approx([ring("inter", 8, 8, True, True)])
+    pred = emulated.predictions(opts(4, 2), "tiny-llama-emu", emu)
+    assert set(pred) == {"megatron-1f1b", "megatron-interleaved", "dhelix-fold"}
+    for p in pred.values():
+        assert p["reduce_s"] == 0 and p["step_s"] == p["layers_s"] > 0
+    pred = emulated.predictions(opts(16, 2), "tiny-llama-emu", emu)
+    for p in pred.values():
+        assert 0 < p["reduce_s"] and p["step_s"] == pytest.approx(p["layers_s"] + p["reduce_s"])
+
+
+@pytest.mark.timeout(900)
+def test_bench_at_emulated_time(tmp_path):
+    """`dhelix bench --compute ... --emulate ...` on 2 ranks, PP=2: the three schedules'
+    rows hold the measured emulated step beside the pipeline simulator's, the same losses
+    (one initial checkpoint), the table and picture written; two links are refused."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "b"
+    base = [sys.executable, "-m", "dhelix.cli", "bench", "--compute", "paced:a40,x=8",
+            "--emulate", "llama-8b,seq=2048,mbs=1", "--nproc", "2",
+            "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+            "--seq-length", "64", "--micro-batch-size", "1", "--num-microbatches", "2",
+            "--train-iters", "2", "--out", str(out)]
+    r = subprocess.run(base + ["--links", "paced:1gbit,paced:2gbit"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "give one paced link" in r.stderr, r.stderr
+    r = subprocess.run(base + ["--links", "paced:1gbit"], capture_output=True, text=True,
+                       timeout=800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((out.parent / "b.json").read_text())["rows"]
+    assert [x["method"] for x in rows] == ["megatron-1f1b", "megatron-interleaved",
+                                           "dhelix-fold"]
+    assert len({x["final_loss"] for x in rows}) == 1
+    for x in rows:
+        assert x["config"] == "tiny-llama-emu" and x["emulate"] == "llama-8b"
+        assert x["step_s"] > 0 and x["predicted_step_s"] > 0 and x["own_share"] > 0
+    md = (out.parent / "b.md").read_text()
+    assert "| tiny-llama-emu | dhelix-fold |" in md and "simulator ms" in md
+    assert (out.parent / "b.png").stat().st_size > 1000

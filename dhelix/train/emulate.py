@@ -472,14 +472,19 @@ def install_for_run(cfg, m, layout, chunks) -> Pacer:
                                      layout.ep))
 
 
-def plan_maker(pacer: Pacer):
-    """make_plan for the plan book: the DP planner's plan for the emulated shape on the
-    cluster's table (the plan DHelix would run there), stamped for the running layer,
-    whose ops have the same names."""
+def plan_maker(pacer: Pacer, path: Optional[str] = None):
+    """make_plan for the plan book: the plan DHelix would run for the emulated shape —
+    the plan file `path` (made by `dhelix plan` for that shape, validated against it), or
+    the DP planner's plan on the cluster's table — stamped for the running layer, whose
+    ops have the same names."""
     def make(live: LayerOps):
         from dhelix.planner import dp
-        from dhelix.planner.plan import Plan
-        p = dp.plan(pacer.emulated, pacer.table)
+        from dhelix.planner.plan import Plan, validate
+        if path:
+            p = Plan.load(path)
+            validate(p, pacer.emulated, f"{path} (--dhelix-plan, for the --emulate shape)")
+        else:
+            p = dp.plan(pacer.emulated, pacer.table)
         return Plan(live.signature(), [o.name for o in live.forward],
                     [o.name for o in live.backward], p.steps,
                     dict(p.meta, planned_for=pacer.emulated.signature()))

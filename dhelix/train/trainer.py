@@ -132,9 +132,12 @@ def train(cfg: TrainConfig) -> dict:
     pacer = None
     if cfg.compute != "none":            # time on the ranks: an emulated cluster's
         pacer = emulate.install_for_run(cfg, m, layout, chunks)
-        if hasattr(schedule, "options") and not any(
-                cfg.dhelix.get(k) for k in ("plan", "overlap_table", "cluster")):
-            schedule.options = dict(schedule.options, emulated_plan=emulate.plan_maker(pacer))
+        plan = cfg.dhelix.get("plan")    # (trivial, paired: made for the running layer)
+        if hasattr(schedule, "options") and plan not in ("trivial", "paired") and not any(
+                cfg.dhelix.get(k) for k in ("overlap_table", "cluster")):
+            # the plan for the emulated shape: --dhelix-plan FILE made for it, or planned
+            schedule.options = dict(schedule.options,
+                                    emulated_plan=emulate.plan_maker(pacer, plan))
     schedule.check(chunks, cfg.seq_length, cfg.micro_batch_size)
     from dhelix.train.optim import build_optimizer
     samples_per_step = cfg.micro_batch_size * layout.num_microbatches * layout.dp
