@@ -194,7 +194,8 @@ def test_gradient_bytes_of_a_stage_are_the_emulated_models():
     bytes `stage_grad_bytes` gives the emulated model's stage — the number the bench's
     prediction uses."""
     from dhelix.models.config import load_model_config
-    from dhelix.train.emulate import grad_scales, param_classes, stage_grad_bytes
+    from dhelix.models.params import param_classes
+    from dhelix.train.emulate import grad_scales, stage_grad_bytes
     for small, big, tp, ep in (("tiny-llama-emu", "llama-39b", 2, 1),
                                ("tiny-moe-emu", "phi-3.5-moe", 1, 2)):
         s, b = load_model_config(small), load_model_config(big)

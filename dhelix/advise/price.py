@@ -1,0 +1,241 @@
+"""What a layout costs: step time, tokens/s, MFU and memory per GPU, from the planner and
+the simulators on one cost source (a cluster file's analytical model).
+
+Time of one step (each term in `Prediction`):
+  layers     PP = 1: megatron L·N·(f + b); DHelix L·(f + b + (N−1)·pair) — F(1) alone,
+             N−1 paired steps, B(N) alone (`planner/whole_step.py`'s formula), where f, b
+             are one layer's forward and backward alone and pair one planned layer pair
+             (`LayerCosts.from_plan`: the layer simulator on the DP planner's plan).
+             PP > 1: the pipeline simulator's makespan (1F1B, interleaved with two chunks
+             per stage, the fold), the P2P message over the stage boundary's link.
+             Full recomputation adds a layer forward to every backward (and pair).
+  head       the output layer and loss of every micro-batch (forward, dgrad, wgrad
+             GEMMs), on the last stage (the fold: stage 0), not overlapped.
+  dp         the distributed optimizer's gradient reduce-scatter (fp32 main grads) and
+             parameter all-gather (bf16) over DP×CP (experts: over their expert-DP
+             group), less what overlaps the stage's last backward / first forward.
+  optimizer  Adam on the rank's shard: ~36 bytes of memory traffic per parameter at the
+             cluster's memory bandwidth (0 when the file does not give one).
+
+Memory per GPU (the busiest stage): bf16 weights, fp32 main grads, the optimizer's fp32
+master weights and Adam moments sharded over DP, the activations the schedule keeps at
+its peak (the pipeline simulator's per-stage peak; PP = 1: L layers of one micro-batch
+for megatron, L + 1 for DHelix's two strands; recomputation keeps layer inputs), the
+layer step's transients, and the fp32 logits of the output layer.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Tuple
+
+from dhelix.advise.layouts import Layout
+
+GiB = 2 ** 30
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    layers_s: float
+    head_s: float
+    dp_s: float
+    optimizer_s: float
+    memory: Dict[str, float] = field(default_factory=dict)    # bytes per GPU, by part
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(self.memory.values())
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["layout"] = self.layout.to_json()
+        d["name"] = self.layout.name()
+        d["memory_bytes"] = self.memory_bytes
+        return d
+
+
+def _lane(ranks_span: int, gpn: int) -> str:
+    """A group of `ranks_span` consecutive ranks stays in a node while it fits one."""
+    return "intra" if ranks_span <= gpn else "inter"
+
+
+class Pricer:
+    """Prices layouts of model `m` on `cluster` at `seq_length` × `global_batch_size`;
+    a layer shape is planned once (memoised), a pipeline simulated once per shape."""
+
+    def __init__(self, m, cluster: dict, seq_length: int, global_batch_size: int):
+        from dhelix.planner.costmodel import gpus_per_node
+        self.m, self.cluster = m, cluster
+        self.seq, self.gbs = seq_length, global_batch_size
+        self.gpn = gpus_per_node(cluster)
+        self._layers: Dict[tuple, tuple] = {}
+        self._pipes: Dict[tuple, dict] = {}
+        self._plans: Dict[tuple, object] = {}
+        self.planned = 0                  # DP planner runs
+
+    # ---- one layer shape ----------------------------------------------------------------
+    def layer(self, lo: Layout) -> tuple:
+        """(LayerOps, cost table, DHelix plan, LayerCosts) of the layout's layer shape.
+        The DP planner runs once per (TP, CP, EP) group shape, at the smallest
+        micro-batch size: every op's time scales with the micro-batch alike (latencies aside), so its plan
+        is the plan of the larger micro-batches too, simulated on their own tables."""
+        key = (lo.tp, lo.cp, lo.ep, lo.mbs, lo.dp if lo.ep > 1 else 0)
+        got = self._layers.get(key)
+        if got is None:
+            from dhelix.planner import dp
+            from dhelix.planner.costmodel import analytical_table, group_sizes_of
+            from dhelix.planner.pipeline import LayerCosts
+            from dhelix.planner.plan import Plan
+            from dhelix.planner.shapes import layer_ops_for_shape
+            ops = layer_ops_for_shape(
+                self.m, lo.tp, lo.tp > 1, self.seq, lo.mbs, bf16=True, ep=lo.ep,
+                ep_lane=_lane(lo.ep, self.gpn), cp=lo.cp,
+                cp_lane=_lane(lo.tp * lo.cp, self.gpn))
+            table = analytical_table(ops, self.cluster,
+                                     group_sizes_of({"tp": lo.tp, "cp": lo.cp, "ep": lo.ep},
+                                                    ops))
+            pkey = key[:3] + key[4:]
+            base = self._plans.get(pkey)
+            if base is None:
+                base = dp.plan(ops, table)
+                self._plans[pkey] = base
+                self.planned += 1
+            plan = Plan(ops.signature(), [o.name for o in ops.forward],
+                        [o.name for o in ops.backward], base.steps, dict(base.meta))
+            got = (ops, table, plan, LayerCosts.from_plan(ops, plan, table))
+            self._layers[key] = got
+        return got
+
+    def _costs(self, lo: Layout):
+        """LayerCosts with recomputation applied (module doc)."""
+        from dataclasses import replace
+        from dhelix.planner.recompute import input_bytes
+        ops, _, _, lc = self.layer(lo)
+        if not lo.recompute:
+            return lc
+        return replace(lc, b=lc.b + lc.f, pair=lc.pair + lc.f, saved=input_bytes(ops),
+                       transient=lc.transient + lc.saved)
+
+    # ---- the pieces of a step -----------------------------------------------------------
+    def _layers_s(self, lo: Layout, lc) -> Tuple[float, float]:
+        """(the layers' time, the busiest stage's activation peak)."""
+        L, N = self.m.num_layers, lo.microbatches
+        if lo.pp == 1:
+            if lo.schedule == "megatron":
+                return L * N * (lc.f + lc.b), L * lc.saved + lc.transient
+            return L * (lc.f + lc.b + (N - 1) * lc.pair), (L + 1) * lc.saved + lc.transient
+        key = (lo.tp, lo.cp, lo.ep, lo.mbs, lo.dp if lo.ep > 1 else 0, lo.recompute,
+               lo.pp, N)
+        res = self._pipes.get(key)
+        if res is None:
+            from dhelix.planner.pipeline import cluster_p2p_seconds
+            act = self.seq // lo.cp // lo.tp * lo.mbs * self.m.hidden_size * 2
+            lane = _lane(2 * lo.tp * lo.cp * lo.dp, self.gpn)
+            res = _pipelines(lc, L, lo.pp, N, cluster_p2p_seconds(act, self.cluster, lane))
+            self._pipes[key] = res
+        r = res[{"1f1b": "megatron-1f1b", "interleaved": "megatron-interleaved",
+                 "fold": "dhelix-fold"}[lo.schedule]]
+        return r[0], r[1] + lc.transient
+
+    def _head(self, lo: Layout) -> Tuple[float, float]:
+        """(output layer + loss seconds per micro-batch, its fp32 logits' bytes)."""
+        tokens = self.seq // lo.cp * lo.mbs
+        flops = 3 * 2.0 * tokens * self.m.hidden_size * self.m.vocab_size / lo.tp
+        t = flops / (self._peak() * float(self.cluster.get("achieved_fraction", 1.0)))
+        return t, tokens * self.m.vocab_size / lo.tp * 4.0
+
+    def _stage_params(self, lo: Layout) -> Dict[str, float]:
+        """Parameters on the busiest stage's GPU: dense (DP-reduced) and experts."""
+        from dhelix.models.params import param_classes
+        c = param_classes(self.m, lo.tp, lo.ep)
+        per = self.m.num_layers // lo.pp
+        ends = c["embedding"] + c["output"] + c["norm"]     # PP = 1, or the fold's stage 0
+        if lo.pp > 1 and lo.schedule != "fold":
+            ends = max(c["embedding"], c["output"] + c["norm"])
+        return {"dense": per * c["layer"] + ends, "experts": per * c["experts"]}
+
+    def _dp(self, lo: Layout, params: Dict[str, float], lc) -> float:
+        from dhelix.planner.costmodel import collective_seconds
+
+        def coll(kind, nbytes, n):
+            if n < 2 or not nbytes:
+                return 0.0
+            # DP (with CP) steps over TP×CP ranks: inside a node while TP·CP·DP fits one
+            ln = self.cluster[f"{_lane(lo.tp * lo.cp * n, self.gpn)}_node"]
+            bw = float(ln["bandwidth_GBps"]) * 1e9 * float(ln.get("efficiency", 1.0))
+            return collective_seconds(kind, nbytes, n, bw, float(ln.get("latency_us", 0))
+                                      * 1e-6)
+        n_dense, n_exp = lo.dp * lo.cp, lo.tp * lo.cp * lo.dp // lo.ep
+        rs = coll("reduce_scatter", params["dense"] * 4, n_dense) + \
+            coll("reduce_scatter", params["experts"] * 4, n_exp)
+        ag = coll("all_gather", params["dense"] * 2, n_dense) + \
+            coll("all_gather", params["experts"] * 2, n_exp)
+        per = self.m.num_layers // lo.pp
+        return max(0.0, rs - per * lc.b) + max(0.0, ag - per * lc.f)
+
+    def price(self, lo: Layout) -> Prediction:
+        lc = self._costs(lo)
+        layers_s, act = self._layers_s(lo, lc)
+        head1, logits = self._head(lo)
+        head_s = lo.microbatches * head1
+        params = self._stage_params(lo)
+        dp_s = self._dp(lo, params, lc)
+        shard = params["dense"] / (lo.dp * lo.cp) + \
+            params["experts"] / max(1, lo.tp * lo.cp * lo.dp // lo.ep)
+        bw = self.cluster.get("memory_bandwidth_GBps")
+        opt_s = shard * 36 / (float(bw) * 1e9) if bw else 0.0
+        step = layers_s + head_s + dp_s + opt_s
+        tokens = self.gbs * self.seq
+        n_all = params["dense"] + params["experts"]
+        memory = {"weights": n_all * 2, "grads": n_all * 4, "optimizer": shard * 12,
+                  "activations": act, "logits": logits}
+        return Prediction(lo, step, tokens / step,
+                          self.model_flops() / (self.gpus(lo) * self._peak() * step),
+                          layers_s, head_s, dp_s, opt_s, memory)
+
+    # ---- MFU ----------------------------------------------------------------------------
+    def _peak(self) -> float:
+        return float(self.cluster["peak_flops"]["bf16"])
+
+    @staticmethod
+    def gpus(lo: Layout) -> int:
+        return lo.tp * lo.cp * lo.pp * lo.dp
+
+    def model_flops(self) -> float:
+        """One step's model FLOPs: 6 × active parameters × tokens plus attention's
+        12 × layers × hidden × sequence per token (recomputation not counted)."""
+        m = self.m
+        from dhelix.models.params import param_classes
+        c = param_classes(m, 1, 1)
+        active = c["layer"] + (c["experts"] * m.moe_router_topk / m.num_experts
+                               if m.num_experts else 0)
+        per_token = 6 * (m.num_layers * active + c["output"]) + \
+            12 * m.num_layers * m.hidden_size * self.seq
+        return per_token * self.gbs * self.seq
+
+
+def _pipelines(lc, L: int, pp: int, N: int, p2p: float) -> Dict[str, tuple]:
+    """schedule -> (makespan, the busiest stage's activation peak) from the pipeline
+    simulator. Past its warm-up a schedule repeats every PP micro-batches, so a long step
+    is simulated at two short lengths (multiples of PP) and extended along the line
+    through them: exact for the periodic part, and the peak is reached before it."""
+    from dhelix.planner.pipeline import simulate_pipeline
+    short = 4 * pp
+    if N <= short + pp:        # (interleaved needs a multiple of PP micro-batches)
+        got = simulate_pipeline(lc, L, pp, N, p2p,
+                                vpp_layers=L // (2 * pp) if N % pp == 0 else None)
+        return {k: (r.makespan, max(r.peak_bytes)) for k, r in got.items()}
+    a = simulate_pipeline(lc, L, pp, short, p2p, vpp_layers=L // (2 * pp))
+    b = simulate_pipeline(lc, L, pp, short + pp, p2p, vpp_layers=L // (2 * pp))
+    return {k: (a[k].makespan + (b[k].makespan - a[k].makespan) / pp * (N - short),
+                max(max(a[k].peak_bytes), max(b[k].peak_bytes))) for k in a}
+
+
+def fits(p: Prediction, memory_per_gpu_GiB: float) -> bool:
+    """Within 90% of the GPU's memory (the rest: the CUDA context, NCCL's buffers, the
+    allocator's fragmentation)."""
+    return p.memory_bytes <= 0.9 * memory_per_gpu_GiB * GiB
+

@@ -1,0 +1,41 @@
+"""How many parameters a GPU holds, by kind, for a model config at a TP/EP size (plain
+arithmetic, no torch): what paced compute scales gradients by (`train/emulate.py`) and
+what `dhelix advise` counts memory and MFU with."""
+from __future__ import annotations
+
+from typing import Dict
+
+
+def param_classes(m, tp: int, ep: int = 1) -> Dict[str, float]:
+    """Parameters one rank holds, per kind of megatron parameter: "layer" (one layer's
+    dense weights, TP-split, norms and router included), "experts" (one layer's local
+    experts), "embedding", "output" (vocab-parallel), "norm" (the final norm)."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    hn = getattr(m, "kv_channels", None) or h // m.num_attention_heads
+    qkv = (m.num_attention_heads + 2 * (m.num_query_groups or m.num_attention_heads)) * hn
+    ap = m.num_attention_heads * hn
+    f1 = f * (2 if m.activation == "swiglu" else 1)
+    norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    bias = m.add_bias_linear
+    attn = (h * qkv + ap * h + (qkv if bias else 0)) / tp + (h if bias else 0)
+    mlp = (h * f1 + f * h + (f1 if bias else 0)) / tp + (h if bias else 0)
+    out = {"embedding": m.vocab_size * h / tp, "output": m.vocab_size * h / tp, "norm": norm}
+    if m.num_experts:
+        out["layer"] = attn + 2 * norm + m.num_experts * h
+        out["experts"] = m.num_experts / ep * (h * f1 + f * h)
+    else:
+        out["layer"], out["experts"] = attn + mlp + 2 * norm, 0.0
+    return out
+
+
+def param_class(name: str) -> str:
+    """The kind (`param_classes`) of a parameter of megatron's GPT by its name."""
+    if ".experts." in name:
+        return "experts"
+    if ".layers." in name:
+        return "layer"
+    if "word_embeddings" in name or "position_embeddings" in name:
+        return "embedding"
+    if "output_layer" in name:
+        return "output"
+    return "norm"
