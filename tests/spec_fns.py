@@ -77,3 +77,13 @@ def layer_vs_megatron_local(seq=32, mbs=2, config="tiny-llama"):
             "params": len(res[0]) - 2,
             "core": [type(l.self_attention.core_attention).__name__ for l in (ours, ref)],
             "keys_ok": not missing.missing_keys and not missing.unexpected_keys}
+
+
+def count_params(config):
+    """Parameters of megatron's GPT of `config` on one rank (TP=1), as dhelix builds it."""
+    from dhelix.models.config import load_model_config
+    from dhelix.models.gpt import build_gpt, transformer_config
+    _setup(1)
+    m = load_model_config(config)
+    model = build_gpt(m, transformer_config(m, tp=1, sequence_parallel=False))
+    return sum(p.numel() for p in model.parameters())

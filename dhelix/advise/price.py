@@ -18,7 +18,8 @@ Time of one step (each term in `Prediction`):
              cluster's memory bandwidth (0 when the file does not give one).
 
 Memory per GPU (the busiest stage): bf16 weights, fp32 main grads, the optimizer's fp32
-master weights and Adam moments sharded over DP, the activations the schedule keeps at
+master weights and Adam moments sharded over DP (`dtype="fp32"`, as CPU runs train: fp32
+weights and grads, Adam's two moments sharded, no master copy), the activations the schedule keeps at
 its peak (the pipeline simulator's per-stage peak; PP = 1: L layers of one micro-batch
 for megatron, L + 1 for DHelix's two strands; recomputation keeps layer inputs), the
 layer step's transients, and the fp32 logits of the output layer.
@@ -66,9 +67,12 @@ class Pricer:
     """Prices layouts of model `m` on `cluster` at `seq_length` × `global_batch_size`;
     a layer shape is planned once (memoised), a pipeline simulated once per shape."""
 
-    def __init__(self, m, cluster: dict, seq_length: int, global_batch_size: int):
+    def __init__(self, m, cluster: dict, seq_length: int, global_batch_size: int,
+                 dtype: str = "bf16"):
         from dhelix.planner.costmodel import gpus_per_node
-        self.m, self.cluster = m, cluster
+        if dtype not in ("bf16", "fp32"):
+            raise ValueError(f"dtype {dtype!r}: bf16 or fp32")
+        self.m, self.cluster, self.dtype = m, cluster, dtype
         self.seq, self.gbs = seq_length, global_batch_size
         self.gpn = gpus_per_node(cluster)
         self._layers: Dict[tuple, tuple] = {}
@@ -91,12 +95,13 @@ class Pricer:
             from dhelix.planner.plan import Plan
             from dhelix.planner.shapes import layer_ops_for_shape
             ops = layer_ops_for_shape(
-                self.m, lo.tp, lo.tp > 1, self.seq, lo.mbs, bf16=True, ep=lo.ep,
+                self.m, lo.tp, lo.tp > 1, self.seq, lo.mbs, bf16=self.dtype == "bf16",
+                ep=lo.ep,
                 ep_lane=_lane(lo.ep, self.gpn), cp=lo.cp,
                 cp_lane=_lane(lo.tp * lo.cp, self.gpn))
             table = analytical_table(ops, self.cluster,
                                      group_sizes_of({"tp": lo.tp, "cp": lo.cp, "ep": lo.ep},
-                                                    ops))
+                                                    ops), dtype=self.dtype)
             pkey = key[:3] + key[4:]
             base = self._plans.get(pkey)
             if base is None:
@@ -132,7 +137,8 @@ class Pricer:
         res = self._pipes.get(key)
         if res is None:
             from dhelix.planner.pipeline import cluster_p2p_seconds
-            act = self.seq // lo.cp // lo.tp * lo.mbs * self.m.hidden_size * 2
+            act = self.seq // lo.cp // lo.tp * lo.mbs * self.m.hidden_size * \
+                (2 if self.dtype == "bf16" else 4)
             lane = _lane(2 * lo.tp * lo.cp * lo.dp, self.gpn)
             res = _pipelines(lc, L, lo.pp, N, cluster_p2p_seconds(act, self.cluster, lane))
             self._pipes[key] = res
@@ -190,7 +196,8 @@ class Pricer:
         step = layers_s + head_s + dp_s + opt_s
         tokens = self.gbs * self.seq
         n_all = params["dense"] + params["experts"]
-        memory = {"weights": n_all * 2, "grads": n_all * 4, "optimizer": shard * 12,
+        w, opt = (2, 12) if self.dtype == "bf16" else (4, 8)
+        memory = {"weights": n_all * w, "grads": n_all * 4, "optimizer": shard * opt,
                   "activations": act, "logits": logits}
         return Prediction(lo, step, tokens / step,
                           self.model_flops() / (self.gpus(lo) * self._peak() * step),
@@ -198,7 +205,7 @@ class Pricer:
 
     # ---- MFU ----------------------------------------------------------------------------
     def _peak(self) -> float:
-        return float(self.cluster["peak_flops"]["bf16"])
+        return float(self.cluster["peak_flops"][self.dtype])
 
     @staticmethod
     def gpus(lo: Layout) -> int:
@@ -231,7 +238,8 @@ def _pipelines(lc, L: int, pp: int, N: int, p2p: float) -> Dict[str, tuple]:
     a = simulate_pipeline(lc, L, pp, short, p2p, vpp_layers=L // (2 * pp))
     b = simulate_pipeline(lc, L, pp, short + pp, p2p, vpp_layers=L // (2 * pp))
     return {k: (a[k].makespan + (b[k].makespan - a[k].makespan) / pp * (N - short),
-                max(max(a[k].peak_bytes), max(b[k].peak_bytes))) for k in a}
+                max(max(a[k].peak_bytes), max(b[k].peak_bytes))) for k in a
+            if N % pp == 0 or k != "megatron-interleaved"}
 
 
 def fits(p: Prediction, memory_per_gpu_GiB: float) -> bool:

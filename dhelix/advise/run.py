@@ -24,6 +24,7 @@ class AdviseOptions:
     memory_per_gpu: Optional[float] = None   # GiB; default: the cluster file's memory_GiB
     top: int = 10
     recompute: str = "both"             # both | off | on
+    dtype: str = "bf16"                 # bf16 (GPUs) | fp32 (as CPU runs train)
     out: str = "advise"                 # prefix for .md, .json, .png, the plan and sbatch
 
 
@@ -48,7 +49,7 @@ def run_advise(o: AdviseOptions) -> int:
         return 2
     rc = {"both": (False, True), "off": (False,), "on": (True,)}[o.recompute]
     layouts = list(enumerate_layouts(m, o.gpus, gpn, o.seq_length, o.global_batch_size, rc))
-    pricer = Pricer(m, cluster, o.seq_length, o.global_batch_size)
+    pricer = Pricer(m, cluster, o.seq_length, o.global_batch_size, o.dtype)
     preds: List[Prediction] = []
     for lo in tqdm(layouts, desc="dhelix advise", unit="layout", file=sys.stderr,
                    mininterval=0.5):
@@ -60,10 +61,15 @@ def run_advise(o: AdviseOptions) -> int:
     search_s = time.perf_counter() - t0
     if not ok:
         least = min(preds, key=lambda p: p.memory_bytes)
+        states = sum(least.memory[k] for k in ("weights", "grads", "optimizer"))
+        fix = "add GPUs" if states > 0.9 * mem * GiB else \
+            "add GPUs, recomputation (--recompute both or on) or a shorter --seq-length"
         print(f"dhelix advise: error: --config {m.name} fits no layout on {o.gpus} GPUs of "
               f"{mem:g} GiB: the smallest needs {least.memory_bytes / GiB:.1f} GiB per GPU "
-              f"({least.layout.name()}; 90% of a GPU's memory is usable); add GPUs, "
-              f"recomputation (--recompute on) or a shorter --seq-length", file=sys.stderr)
+              f"({least.layout.name()}: weights, gradients and optimizer states "
+              f"{states / GiB:.1f} GiB, activations "
+              f"{(least.memory_bytes - states) / GiB:.1f} GiB; 90% of a GPU's memory is "
+              f"usable); {fix}", file=sys.stderr)
         return 2
     best = {w: next((p for p in ok if p.layout.who == w), None) for w in ("megatron", "dhelix")}
     top = ok[:o.top]

@@ -113,3 +113,21 @@ class StepMemory:
 
 def peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def model_bytes(chunks) -> dict:
+    """{"weights", "grads"}: bytes of this rank's parameters and of megatron's gradient
+    buffers (DDP's contiguous main-grad buffers, padding included; else each parameter's
+    main_grad)."""
+    params = {id(p): p for c in chunks for p in c.parameters()}
+    weights = sum(p.numel() * p.element_size() for p in params.values())
+    bufs = [b for c in chunks for b in (getattr(c, "buffers", None) or []) +
+            (getattr(c, "expert_parallel_buffers", None) or [])
+            if getattr(b, "grad_data", None) is not None]
+    if bufs:
+        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for b in bufs)
+    else:
+        grads = sum(p.main_grad.numel() * p.main_grad.element_size()
+                    for p in params.values() if getattr(p, "main_grad", None) is not None)
+    return {"weights": weights, "grads": grads}
+

@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                    "(default: %(default)s; megatron's and DHelix's best are always there)")
     p.add_argument("--recompute", choices=["both", "off", "on"], default=D.recompute,
                    help="full recomputation: try both, never, always (default: %(default)s)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=D.dtype,
+                   help="bf16 training (default), or fp32 as `dhelix train` runs on CPU "
+                        "(the check against measured runs on this machine)")
     p.add_argument("--out", default=D.out, help="prefix for .md, .json, .png, .plan.json and "
                    ".sbatch (default: %(default)s)")
     p.set_defaults(func=run)

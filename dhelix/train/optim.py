@@ -68,6 +68,19 @@ class TrainOptimizer:
             self.scheduler.step(increment=self.samples_per_step)
         return ok, grad_norm
 
+    def state_bytes(self) -> int:
+        """Bytes of the optimizer's own tensors on this rank: Adam's moments (and main
+        parameter copies where it keeps them apart from the model's), not the scalar step."""
+        seen, total = set(), 0
+        for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for st in o.optimizer.state.values():
+                for t in st.values():
+                    if hasattr(t, "untyped_storage") and t.dim() and \
+                            t.untyped_storage().data_ptr() not in seen:
+                        seen.add(t.untyped_storage().data_ptr())
+                        total += t.untyped_storage().nbytes()
+        return total
+
     def has_state(self) -> bool:
         """Whether Adam holds any state yet (not before the first applied step)."""
         return any(o.optimizer.state for o in getattr(self.optimizer, "chained_optimizers",

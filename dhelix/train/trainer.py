@@ -110,7 +110,7 @@ def train(cfg: TrainConfig) -> dict:
     """Run training on the current process group; returns the result dict (all ranks)."""
     from dhelix.train.data import make_batches
     from dhelix.train.dist import init_distributed
-    from dhelix.base.memory import METER, StepMemory, peak_rss_bytes
+    from dhelix.base.memory import METER, StepMemory, model_bytes, peak_rss_bytes
 
     m = model_of(cfg)
     info = init_distributed()
@@ -311,6 +311,8 @@ def train(cfg: TrainConfig) -> dict:
         "idle_share_per_stage": idle_per_stage,
         "peak_rss_bytes": peak_rss_bytes(),
         "memory_method": memory.method,
+        # what lives across steps: weights, gradient buffers, the optimizer's states
+        "model_state_bytes": dict(model_bytes(chunks), optimizer=optimizer.state_bytes()),
         # where this rank sits, so that tests merge pipeline stages by TP position
         "coords": {"tp": parallel_state.get_tensor_model_parallel_rank(),
                    "cp": parallel_state.get_context_parallel_rank(),

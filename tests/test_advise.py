@@ -1,0 +1,136 @@
+"""`dhelix advise` (dhelix/advise/): the legal layouts, their prices and the outputs.
+
+Asserted: every enumerated layout is legal by megatron's rules and fills the GPUs; the
+pipeline prices of long steps (simulated short and extended along the schedule's period)
+equal the full simulation; a rank's weights are what megatron's GPT allocates (counted
+from a real model); DHelix's PP = 1 step keeps one layer more than megatron's; the CLI
+writes the table, the picture, a plan that validates against the chosen layout's layer,
+a command and an sbatch file with that layout's flags, ranks the fitting layouts by
+tokens/s; bad input is one message each.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dhelix.advise.layouts import Layout, enumerate_layouts
+from dhelix.models.config import load_model_config
+
+
+def _advise(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "dhelix.cli", "advise", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("config,gpus", [("llama3-70b", 64), ("phi-3.5-moe", 32)])
+def test_layouts_are_legal(config, gpus):
+    m = load_model_config(config)
+    got = list(enumerate_layouts(m, gpus, 8, 4096, 256))
+    assert got
+    for lo in got:
+        assert lo.tp * lo.cp * lo.pp * lo.dp == gpus and lo.tp <= 8
+        assert m.num_attention_heads % lo.tp == 0 and 4096 % (2 * lo.cp) == 0
+        assert lo.mbs * lo.dp * lo.microbatches == 256
+        if lo.pp > 1:
+            assert m.num_layers % (2 * lo.pp) == 0 and lo.microbatches >= lo.pp
+            assert lo.schedule in ("1f1b", "interleaved", "fold")
+            if lo.schedule == "interleaved":
+                assert lo.microbatches % lo.pp == 0
+        else:
+            assert lo.schedule in ("megatron", "dhelix")
+        if m.num_experts:
+            assert m.num_experts % lo.ep == 0 and (lo.tp * lo.cp * lo.dp) % lo.ep == 0
+        else:
+            assert lo.ep == 1
+    assert {lo.ep for lo in got} > {1} if load_model_config(config).num_experts else True
+
+
+def test_long_pipelines_priced_as_simulated():
+    from dhelix.advise.price import _pipelines
+    from dhelix.planner.pipeline import LayerCosts, simulate_pipeline
+    lc = LayerCosts(1.0, 2.1, 2.6, 100.0, 10.0)
+    for L, pp, N in ((16, 2, 40), (80, 5, 100), (80, 8, 96)):
+        full = simulate_pipeline(lc, L, pp, N, 0.3, vpp_layers=L // (2 * pp))
+        got = _pipelines(lc, L, pp, N, 0.3)
+        for k, r in full.items():
+            assert got[k][0] == pytest.approx(r.makespan, rel=1e-9)
+            assert got[k][1] == pytest.approx(max(r.peak_bytes))
+    # not a multiple of PP (no interleaved): within 0.1%
+    full = simulate_pipeline(lc, 32, 4, 37, 0.3)
+    got = _pipelines(lc, 32, 4, 37, 0.3)
+    assert set(got) == set(full)
+    for k, r in full.items():
+        assert got[k][0] == pytest.approx(r.makespan, rel=1e-3)
+
+
+def test_weights_per_gpu_are_megatrons():
+    """A rank's parameters as `dhelix advise` counts them, against the GPT megatron-core
+    builds (one rank: TP=1)."""
+    from megatron.core import parallel_state as ps
+    from dhelix.advise.price import Pricer
+    from dhelix.planner.costmodel import load_cluster
+    from dhelix.testing import run_ranks
+    from spec_fns import count_params
+    for name in ("tiny-llama-emu", "tiny-moe-emu"):
+        got = run_ranks(count_params, 1, name, timeout=300)[0]
+        m = load_model_config(name)
+        p = Pricer(m, load_cluster("configs/clusters/a40.yaml"), 64, 2, "fp32")
+        want = p.price(Layout(1, 1, 1, 1, 1, 1, 2, "megatron", False)).memory["weights"]
+        assert got * 4 == want, (name, got)
+    assert ps is not None
+
+
+def test_dhelix_keeps_one_layer_more_at_pp1():
+    from dhelix.advise.price import Pricer
+    from dhelix.planner.costmodel import load_cluster
+    m = load_model_config("llama-8b")
+    p = Pricer(m, load_cluster("configs/clusters/a40.yaml"), 4096, 64)
+    meg, dh = (p.price(Layout(8, 1, 1, 8, 1, 1, 8, s, False)) for s in ("megatron", "dhelix"))
+    lc = p.layer(meg.layout)[3]
+    assert dh.memory["activations"] - meg.memory["activations"] == pytest.approx(lc.saved)
+    assert dh.layers_s < meg.layers_s          # the paired steps overlap the TP collectives
+    rc = p.price(Layout(8, 1, 1, 8, 1, 1, 8, "megatron", True))
+    assert rc.memory["activations"] < meg.memory["activations"] and rc.step_s > meg.step_s
+
+
+def test_advise_writes_the_table_plan_and_commands(tmp_path):
+    from dhelix.planner.plan import Plan, validate
+    from dhelix.planner.shapes import layer_ops_for_shape
+    out = str(tmp_path / "adv")
+    r = _advise("--config", "llama-8b", "--cluster", "a40", "--gpus", "16", "--seq-length",
+                "4096", "--global-batch-size", "64", "--top", "5", "--out", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out + ".json"))
+    tps = [p["tokens_per_s"] for p in res["top"][:5]]
+    assert tps == sorted(tps, reverse=True) and res["fit"] <= res["layouts"]
+    assert res["search_s"] > 0 and "analytical model" in res["cost_source"]
+    assert res["best"]["megatron"] and res["best"]["dhelix"]
+    assert all(p["memory_bytes"] <= 0.9 * 45.0 * 2 ** 30 for p in res["top"])
+    md = open(out + ".md").read()
+    assert "megatron's best" in md and "DHelix's best" in md and "search" in md
+    lo = res["best"]["dhelix"]["layout"]
+    plan = Plan.load(out + ".plan.json")
+    validate(plan, layer_ops_for_shape(load_model_config("llama-8b"), lo["tp"], lo["tp"] > 1,
+                                       4096, lo["mbs"], bf16=True, ep=lo["ep"], cp=lo["cp"]))
+    win = res["top"][0]["layout"]
+    sb = open(out + ".sbatch").read()
+    assert f"--tensor-model-parallel-size {win['tp']} " in sb
+    assert f"--pipeline-model-parallel-size {win['pp']} " in sb
+    assert "scripts/slurm/pretrain_gpt_dhelix.sbatch configs/slurm/a40.env" in sb
+    assert "pretrain_gpt_dhelix.py" in md
+    assert (tmp_path / "adv.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--config", "llama3-70b", "--gpus", "8", "--seq-length", "8192",
+      "--global-batch-size", "64", "--memory-per-gpu", "16"],
+     "fits no layout on 8 GPUs of 16 GiB: the smallest needs"),
+    (["--config", "llama3-70b", "--gpus", "7", "--global-batch-size", "64"],
+     "--gpus 7 --global-batch-size 64: no layout divides them"),
+    (["--config", "llama3-70b", "--cluster", "h200x"], "cluster file 'h200x' not found"),
+])
+def test_bad_input_is_one_message(args, msg, tmp_path):
+    r = _advise(*args, "--out", str(tmp_path / "a"))
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
