@@ -121,3 +121,24 @@ def picture(preds: List[Prediction], path: str, title: str, memory_GiB: float) -
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def train_flags(lo, m_name: str, m, seq: int, gbs: int, cluster_path: str) -> List[str]:
+    """The layout as `dhelix train` flags (DHelix's plan from the same cluster file)."""
+    f = ["--config", m_name, "--seq-length", seq, "--micro-batch-size", lo.mbs,
+         "--global-batch-size", gbs, "--tensor-model-parallel-size", lo.tp,
+         "--pipeline-model-parallel-size", lo.pp, "--context-parallel-size", lo.cp,
+         "--use-distributed-optimizer"]
+    if lo.tp > 1:
+        f += ["--sequence-parallel"]
+    if lo.ep > 1:
+        f += ["--expert-model-parallel-size", lo.ep, "--expert-tensor-parallel-size", 1]
+    if lo.schedule == "interleaved":
+        f += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (2 * lo.pp)]
+    if lo.recompute:
+        f += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+              "--recompute-num-layers", 1]
+    if lo.who == "dhelix":
+        f += ["--dhelix", "--dhelix-cluster", cluster_path] + \
+            (["--dhelix-fold"] if lo.schedule == "fold" else [])
+    return [str(x) for x in f]
