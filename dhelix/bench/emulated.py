@@ -141,7 +141,8 @@ def rows(a, cfg: str, link: str, res: dict, methods, pred: Dict[str, dict]) -> L
             "predicted_layers_s": p["layers_s"], "predicted_reduce_s": p["reduce_s"],
             "predicted_speedup": pred[methods[0]]["step_s"] / p["step_s"],
             "measured_vs_predicted": e["step_s"] / p["step_s"],
-            "own_share": e["own_share"], "ranks_step_s": step_time(res[m]),
+            "own_share": e["own_share"], "overslept_share": e.get("overslept_share", 0.0),
+            "ranks_step_s": step_time(res[m]),
             "final_loss": res[m]["losses"][-1],
         })
     return out
@@ -155,14 +156,15 @@ def markdown(rows: List[dict]) -> str:
              f"DP={lo['dp']} EP={lo['ep']}", "",
              "| model | method | emulated step ms | simulator ms (layers + DP reduce) | "
              "measured / simulator | speedup (simulator) | tokens/s | own share | "
-             "final loss |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "woken late | final loss |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['method']} | {r['step_s'] * 1e3:.1f} | "
             f"{r['predicted_step_s'] * 1e3:.1f} ({r['predicted_layers_s'] * 1e3:.1f} + "
             f"{r['predicted_reduce_s'] * 1e3:.1f}) | {r['measured_vs_predicted']:.3f} | "
             f"{r['speedup']:.2f}x ({r['predicted_speedup']:.2f}x) | "
-            f"{r['tokens_per_s']:.0f} | {r['own_share']:.1%} | {r['final_loss']:.6f} |")
+            f"{r['tokens_per_s']:.0f} | {r['own_share']:.1%} | "
+            f"{r['overslept_share']:.1%} | {r['final_loss']:.6f} |")
     return "\n".join(lines)
 
 

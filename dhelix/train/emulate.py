@@ -100,6 +100,7 @@ class Pacer:
     slowdown: float = 0.0             # the cluster's comm_compute_slowdown
     own_s: float = 0.0                # the small ops' own time, summed
     paced_s: float = 0.0              # their emulated time, summed
+    overslept_s: float = 0.0          # woken later than their emulated end, summed
     ops: int = 0
     late: Dict[str, int] = field(default_factory=dict)   # ops that ran past their time
     counts: Dict[str, int] = field(default_factory=dict)  # paced calls, by op
@@ -131,8 +132,16 @@ class Pacer:
         self.counts[name] = self.counts.get(name, 0) + 1
         if now < t0 + d:
             time.sleep(t0 + d - now)
+            # an oversubscribed machine wakes the rank late: the emulation runs slow by it
+            self.overslept_s += time.perf_counter() - (t0 + d)
         else:
             self.late[name] = self.late.get(name, 0) + 1
+
+    @property
+    def overslept_share(self) -> float:
+        """How much later than their emulated end the paced ops were woken, over their
+        emulated time (valid while small, as `own_share`)."""
+        return self.overslept_s / self.paced_s if self.paced_s else 0.0
 
     @property
     def own_share(self) -> float:
@@ -468,6 +477,7 @@ def report(pacer: Pacer, emu: Emulation, step_s: float, microbatches: int, dp: i
         (emu.seq_length or seq_length)
     return {"emulate": emu.model, "cluster": emu.cluster, "factor": emu.factor,
             "step_s": step, "tokens_per_s": tokens / step, "own_share": pacer.own_share,
+            "overslept_share": pacer.overslept_share,
             "paced_ops": pacer.ops, "paced_compute_s": pacer.paced_s,
             "late_ops": dict(pacer.late), "paced_op_counts": dict(pacer.counts)}
 

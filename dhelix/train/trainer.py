@@ -330,7 +330,7 @@ def train(cfg: TrainConfig) -> dict:
             print(f"dhelix train: emulated {e['emulate']} on {e['cluster']}: step "
                   f"{e['step_s'] * 1e3:.1f} ms, {e['tokens_per_s']:.0f} tokens/s (the ranks "
                   f"ran {e['factor']:g}x slower; the small ops' own share of paced compute "
-                  f"{e['own_share']:.1%})", flush=True)
+                  f"{e['own_share']:.1%}, woken late {e['overslept_share']:.1%})", flush=True)
     if cfg.checksums:
         result["grad_checksums"] = grad_sums
         result["weight_checksums"] = checksums(chunks, "data")
