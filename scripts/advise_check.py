@@ -19,27 +19,6 @@ import sys
 import tempfile
 
 
-def spearman(a, b) -> float:
-    """Rank correlation of two equally long lists (average ranks for ties)."""
-    def ranks(x):
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        i = 0
-        while i < len(x):
-            j = i
-            while j + 1 < len(x) and x[order[j + 1]] == x[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = statistics.mean(ra), statistics.mean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
-    return cov / var if var else float("nan")
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,6 +41,7 @@ def main():
     from dhelix.advise.report import train_flags
     from dhelix.bench.run import machine_cluster
     from dhelix.models.config import load_model_config
+    from dhelix.profiler.validate import spearman
     work = tempfile.mkdtemp(prefix="dhelix-advise-check-")
     rows = []
     for n in (int(x) for x in a.nproc.split(",")):

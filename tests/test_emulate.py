@@ -40,6 +40,14 @@ def test_paced_layer_step_keeps_emulated_time_and_results():
         assert x["byte_scale"] == [pytest.approx(4096 * 4096 * 2 / (64 * 2 * 64 * 4))]
 
 
+def _same_as_unpaced(rank_results):
+    """(unpaced, paced) result pairs of a rank: the same losses and weights, bit for bit."""
+    from compare import same_checksums, same_numbers
+    for plain, paced in rank_results:
+        same_numbers(paced["losses"], plain["losses"], 0.0, "losses")
+        same_checksums(paced["weight_checksums"], plain["weight_checksums"], 0.0, "weights")
+
+
 @pytest.mark.timeout(600)
 def test_paced_training_changes_no_result():
     """`dhelix train` with paced compute, megatron's layers (paced GEMM by GEMM) and
@@ -47,16 +55,13 @@ def test_paced_training_changes_no_result():
     paced the same emulated compute (the layers' GEMMs and attention: within 1%, the DHelix
     path also paces its elementwise ops, near zero on the cluster model); the report is
     there."""
-    from compare import same_checksums, same_numbers
     kw = dict(config="tiny-llama-emu", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=2, checksums=True, micro_batch_size=2, global_batch_size=4)
     r = run_ranks(train_paced_and_not, 2, [kw, dict(kw, dhelix={"enabled": True})],
                   timeout=500, env={"DHELIX_LINK": "paced:1gbit"})
     for rank in r:
+        _same_as_unpaced(rank)
         for plain, paced in rank:
-            same_numbers(paced["losses"], plain["losses"], 0.0, "losses")
-            same_checksums(paced["weight_checksums"], plain["weight_checksums"], 0.0,
-                           "weights")
             e = paced["emulation"]
             assert plain["emulation"] is None and e["paced_ops"] > 0 and e["step_s"] > 0
             assert e["emulate"] == "llama-8b" and e["factor"] == 2
@@ -74,7 +79,6 @@ def test_paced_ring_attention_and_experts_change_no_result(layout):
     pacing, bit for bit; the ring steps and expert GEMMs were paced; megatron's and
     DHelix's paced compute agree within 2% (per rank with CP; summed over the EP group
     with experts, whose rows per rank follow the routing)."""
-    from compare import same_checksums, same_numbers
     kw = dict(train_iters=2, checksums=True, micro_batch_size=1, global_batch_size=2,
               seq_length=64)
     if layout == "cp":
@@ -88,10 +92,7 @@ def test_paced_ring_attention_and_experts_change_no_result(layout):
     r = run_ranks(train_paced_and_not, 2, [kw, dict(kw, dhelix={"enabled": True})],
                   timeout=500, env={"DHELIX_LINK": "paced:1gbit"})
     for rank in r:
-        for plain, paced in rank:
-            same_numbers(paced["losses"], plain["losses"], 0.0, "losses")
-            same_checksums(paced["weight_checksums"], plain["weight_checksums"], 0.0,
-                           "weights")
+        _same_as_unpaced(rank)
         assert want <= set(rank[0][1]["emulation"]["paced_op_counts"]), rank[0][1]
     paced = [[x[i][1]["emulation"]["paced_compute_s"] for x in r] for i in (0, 1)]
     if layout == "ep":

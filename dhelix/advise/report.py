@@ -24,16 +24,31 @@ def table(preds: List[Prediction], memory_GiB: float) -> str:
     return "\n".join(lines)
 
 
+def layout_flags(lo, m) -> list:
+    """The layout's parallel sizes, schedule and recomputation, in the flag names Megatron-LM
+    and `dhelix train` share."""
+    f = ["--tensor-model-parallel-size", lo.tp, "--pipeline-model-parallel-size", lo.pp,
+         "--context-parallel-size", lo.cp, "--use-distributed-optimizer"]
+    if lo.tp > 1:
+        f += ["--sequence-parallel"]
+    if m.num_experts:
+        f += ["--expert-model-parallel-size", lo.ep, "--expert-tensor-parallel-size", 1]
+    if lo.schedule == "interleaved":
+        f += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (2 * lo.pp)]
+    if lo.recompute:
+        f += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+              "--recompute-num-layers", 1]
+    return f
+
+
 def megatron_flags(m_name: str, lo, seq: int, gbs: int, m) -> List[str]:
     """`pretrain_gpt.py` flags of a layout (the model's own shape flags included)."""
     f = ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size,
          "--num-attention-heads", m.num_attention_heads, "--ffn-hidden-size",
          m.ffn_hidden_size, "--seq-length", seq, "--max-position-embeddings",
          max(seq, m.max_position_embeddings), "--micro-batch-size", lo.mbs,
-         "--global-batch-size", gbs, "--tensor-model-parallel-size", lo.tp,
-         "--pipeline-model-parallel-size", lo.pp, "--context-parallel-size", lo.cp,
-         "--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce",
-         "--overlap-param-gather"]
+         "--global-batch-size", gbs, "--bf16", "--overlap-grad-reduce",
+         "--overlap-param-gather"] + layout_flags(lo, m)
     if m.num_query_groups:
         f += ["--group-query-attention", "--num-query-groups", m.num_query_groups]
     if m.normalization == "RMSNorm":
@@ -46,16 +61,8 @@ def megatron_flags(m_name: str, lo, seq: int, gbs: int, m) -> List[str]:
         f += ["--disable-bias-linear"]
     if m.untie_embeddings_and_output_weights:
         f += ["--untie-embeddings-and-output-weights"]
-    if lo.tp > 1:
-        f += ["--sequence-parallel"]
     if m.num_experts:
-        f += ["--num-experts", m.num_experts, "--moe-router-topk", m.moe_router_topk,
-              "--expert-model-parallel-size", lo.ep, "--expert-tensor-parallel-size", 1]
-    if lo.schedule == "interleaved":
-        f += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (2 * lo.pp)]
-    if lo.recompute:
-        f += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-              "--recompute-num-layers", 1]
+        f += ["--num-experts", m.num_experts, "--moe-router-topk", m.moe_router_topk]
     if lo.who == "dhelix":
         f += ["--dhelix"] + (["--dhelix-fold"] if lo.schedule == "fold" else [])
     return [str(x) for x in f]
@@ -126,18 +133,7 @@ def picture(preds: List[Prediction], path: str, title: str, memory_GiB: float) -
 def train_flags(lo, m_name: str, m, seq: int, gbs: int, cluster_path: str) -> List[str]:
     """The layout as `dhelix train` flags (DHelix's plan from the same cluster file)."""
     f = ["--config", m_name, "--seq-length", seq, "--micro-batch-size", lo.mbs,
-         "--global-batch-size", gbs, "--tensor-model-parallel-size", lo.tp,
-         "--pipeline-model-parallel-size", lo.pp, "--context-parallel-size", lo.cp,
-         "--use-distributed-optimizer"]
-    if lo.tp > 1:
-        f += ["--sequence-parallel"]
-    if lo.ep > 1:
-        f += ["--expert-model-parallel-size", lo.ep, "--expert-tensor-parallel-size", 1]
-    if lo.schedule == "interleaved":
-        f += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // (2 * lo.pp)]
-    if lo.recompute:
-        f += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-              "--recompute-num-layers", 1]
+         "--global-batch-size", gbs] + layout_flags(lo, m)
     if lo.who == "dhelix":
         f += ["--dhelix", "--dhelix-cluster", cluster_path] + \
             (["--dhelix-fold"] if lo.schedule == "fold" else [])
