@@ -18,7 +18,7 @@ LAYERS = [
     # plain data and helpers: units, hardware facts, the model config files, the CPU
     # stand-ins for CUDA-only megatron pieces
     ("base", ["dhelix", "dhelix.base", "dhelix.compat", "dhelix.models.config",
-              "dhelix._planner_core"]),
+              "dhelix.models.params", "dhelix._planner_core"]),
     # pure logic: ops, plans, costs, the DP planner, the layer and pipeline simulators
     ("planner", ["dhelix.planner"]),
     # the emulated cluster links (the paced link times collectives by the planner's model)
@@ -30,8 +30,9 @@ LAYERS = [
     ("folding", ["dhelix.folding"]),
     # training and the Megatron-LM hook; dhelix.testing starts local ranks as train does
     ("train", ["dhelix.train", "dhelix.megatron", "dhelix.testing"]),
-    # tools that run training or layers: profiler, benchmarks, Helix, the demo
-    ("tools", ["dhelix.profiler", "dhelix.bench", "dhelix.helix", "dhelix.demo"]),
+    # tools that run training or layers: profiler, benchmarks, Helix, the demo; advise
+    ("tools", ["dhelix.profiler", "dhelix.bench", "dhelix.helix", "dhelix.demo",
+               "dhelix.advise"]),
     ("cli", ["dhelix.cli"]),
 ]
 
@@ -46,7 +47,7 @@ ARGPARSE_OK = {
 }
 
 COMMANDS = ["train", "demo", "make-corpus", "profile", "validate-model", "plan", "simulate",
-            "plan-sweep", "bench", "layouts", "helix-bench"]
+            "plan-sweep", "advise", "bench", "layouts", "helix-bench"]
 
 
 def _modules():
