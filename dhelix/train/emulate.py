@@ -106,6 +106,7 @@ class Pacer:
     counts: Dict[str, int] = field(default_factory=dict)  # paced calls, by op
     emulated: Optional[LayerOps] = None   # the emulated shape's layer and its cost table
     table: object = None
+    routed: int = 0                   # MoE: the routed rows an expert op is priced for
 
     def run(self, op, S) -> None:
         """Run a DHelix compute op, then wait out its emulated time from when its work
@@ -117,7 +118,16 @@ class Pacer:
             op.run(S)
         finally:
             _LOCAL.in_op = False
-        self.after(op.spec.name, t0 + S.waited - w0)
+        self.after(op.spec.name, t0 + S.waited - w0, self.expert_share(op.spec.name, S))
+
+    def expert_share(self, name: str, S) -> float:
+        """An expert op's share of its emulated time: the rows routed to this rank's
+        experts over the routed rows it is priced for (the routing's imbalance, as
+        `GemmPacer` paces megatron's experts); 1 for every other op."""
+        if not (self.routed and name.startswith("experts_") and S.has("moe_tpe")):
+            return 1.0
+        tpe = S.get("moe_tpe")
+        return float(sum(tpe.tolist() if torch.is_tensor(tpe) else tpe)) / self.routed
 
     def after(self, name: str, t0: float, share: float = 1.0) -> None:
         """Op `name` (or `share` of it: one expert's GEMM of an expert op) started at
@@ -220,6 +230,15 @@ class GemmPacer:
         return out
 
 
+def _routed_rows(small, tp: int, sp: bool, seq: int, mbs: int, cp: int) -> int:
+    """The rows a rank's experts are priced for: its tokens × top-k (`planner/shapes.py`'s
+    balanced expectation); 0 for a dense model."""
+    if not small.num_experts:
+        return 0
+    s = seq // cp
+    return (s // tp if sp and tp > 1 else s) * mbs * small.moe_router_topk
+
+
 def _gemm_names(small, tp: int, sp: bool, seq: int, mbs: int, cp: int,
                 seconds: Dict[str, float]) -> tuple:
     """The running layer's GEMMs by shape: (dense: shape -> the DHelix op it is, the
@@ -272,8 +291,7 @@ def _gemm_names(small, tp: int, sp: bool, seq: int, mbs: int, cp: int,
         for what, n in others.items():
             if n and n in key[1:] and h in key[1:]:
                 raise clash(f"{name} has the shape of {what}'s GEMM {key[1:]}")
-    routed = z["s_loc"] * mbs * (small.moe_router_topk if small.num_experts else 0)
-    return names, {T}, by_expert, routed
+    return names, {T}, by_expert, _routed_rows(small, tp, sp, seq, mbs, cp)
 
 
 def _install_gemm_hook(gp: GemmPacer) -> None:
@@ -407,7 +425,8 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
                       float(cluster[k].get("latency_us", 0.0)) * 1e-6 * f)
                   for k in ("intra_node", "inter_node")}
     pacer = Pacer(seconds, link, float(cluster.get("comm_compute_slowdown", 0.0)),
-                  emulated=emulated, table=table)
+                  emulated=emulated, table=table,
+                  routed=_routed_rows(small, tp, sp, seq_length, micro_batch_size, cp))
     executor.PACE = pacer
     _ACTIVE["pacer"] = pacer
     if gemms:                      # megatron's own layers in this run: pace their GEMMs
