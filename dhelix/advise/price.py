@@ -86,7 +86,7 @@ class Pricer:
         The DP planner runs once per (TP, CP, EP) group shape, at the smallest
         micro-batch size: every op's time scales with the micro-batch alike (latencies aside), so its plan
         is the plan of the larger micro-batches too, simulated on their own tables."""
-        key = (lo.tp, lo.cp, lo.ep, lo.mbs, lo.dp if lo.ep > 1 else 0)
+        key = (lo.tp, lo.cp, lo.ep, lo.mbs)
         got = self._layers.get(key)
         if got is None:
             from dhelix.planner import dp
@@ -102,7 +102,7 @@ class Pricer:
             table = analytical_table(ops, self.cluster,
                                      group_sizes_of({"tp": lo.tp, "cp": lo.cp, "ep": lo.ep},
                                                     ops), dtype=self.dtype)
-            pkey = key[:3] + key[4:]
+            pkey = key[:3]
             base = self._plans.get(pkey)
             if base is None:
                 base = dp.plan(ops, table)
@@ -132,8 +132,8 @@ class Pricer:
             if lo.schedule == "megatron":
                 return L * N * (lc.f + lc.b), L * lc.saved + lc.transient
             return L * (lc.f + lc.b + (N - 1) * lc.pair), (L + 1) * lc.saved + lc.transient
-        key = (lo.tp, lo.cp, lo.ep, lo.mbs, lo.dp if lo.ep > 1 else 0, lo.recompute,
-               lo.pp, N)
+        key = (lo.tp, lo.cp, lo.ep, lo.mbs, lo.recompute, lo.pp, N,
+               _lane(2 * lo.tp * lo.cp * lo.dp, self.gpn))
         res = self._pipes.get(key)
         if res is None:
             from dhelix.planner.pipeline import cluster_p2p_seconds
