@@ -117,7 +117,8 @@ def _markdown(o, m, cname, cluster, path, top, best, winner, plan_path, n_layout
              f"global batch {o.global_batch_size}", "",
              f"{n_layouts} legal layouts, {n_fit} fit {mem:g} GiB per GPU; {planned} DP "
              f"plans (one per TP, CP, EP); search {search_s:.1f} s. Cost source: "
-             f"{_source(cluster, path)}.", "", report.table(top, mem), ""]
+             f"{_source(cluster, path)}. The simulators' error, measured against runs: "
+             f"docs/advise.md (\"Against measured runs\").", "", report.table(top, mem), ""]
     if bm and bd:
         lines.append(f"megatron's best: {bm.layout.name()}, {bm.tokens_per_s:,.0f} tokens/s; "
                      f"DHelix's best: {bd.layout.name()}, {bd.tokens_per_s:,.0f} tokens/s "
