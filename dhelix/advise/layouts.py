@@ -7,7 +7,9 @@ which micro-batch, pipeline schedule and recomputation — megatron's rules, as 
     PP   L a multiple of 2·PP; 1F1B, interleaved (two model chunks per stage) or the
          DHelix fold (two half-stages); PP = 1: megatron's order or DHelix's paired step
     DP   what is left: GPUs / (TP·CP·PP)
-    EP   MoE: a divisor of the experts and of TP·CP·DP (expert TP 1)
+    EP   MoE: a divisor of the experts and of DP (expert TP 1; `dhelix train`'s rule: the
+         EP groups are carved from the DP ranks); MoE layouts keep CP 1 (DHelix's MoE
+         layer with context parallel is not built)
     mbs  1, 2, 4, 8 dividing the global batch per DP rank; the micro-batch count is at
          least PP (and a multiple of PP for interleaved, as megatron requires)
     recomputation: none or full (every layer, uniform 1)
@@ -77,7 +79,7 @@ def enumerate_layouts(m, gpus: int, gpus_per_node: int, seq_length: int,
     """Every legal layout of `m` on `gpus` GPUs (module doc)."""
     L = m.num_layers
     for tp in tp_sizes(m, gpus_per_node):
-        for cp in (1, 2, 4, 8):
+        for cp in ((1,) if m.num_experts else (1, 2, 4, 8)):
             if seq_length % (2 * cp) or (tp > 1 and (seq_length // cp) % tp):
                 continue
             # PP > 1: L a multiple of 2·PP (the fold's two half-stages, interleaved's two
@@ -89,7 +91,7 @@ def enumerate_layouts(m, gpus: int, gpus_per_node: int, seq_length: int,
                 dp = gpus // (tp * cp * pp)
                 eps = [1] if not m.num_experts else \
                     [e for e in range(1, m.num_experts + 1)
-                     if m.num_experts % e == 0 and (tp * cp * dp) % e == 0]
+                     if m.num_experts % e == 0 and dp % e == 0]
                 for ep in eps:
                     for mbs in (1, 2, 4, 8):
                         if global_batch_size % (mbs * dp):
