@@ -134,3 +134,33 @@ def test_bad_input_is_one_message(args, msg, tmp_path):
     r = _advise(*args, "--out", str(tmp_path / "a"))
     assert r.returncode == 2 and msg in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_kept_activations_are_what_megatron_keeps(tp, tmp_path):
+    """`kept_bytes` per layer and the head's bytes against the saved-tensor peak of
+    `dhelix train` (megatron's schedule, fp32, one micro-batch in flight) for 1 and 3
+    layers of tiny-llama-emu: the per-layer difference and the rest each within 5%."""
+    from dhelix.advise.price import Pricer, kept_bytes
+    from dhelix.planner.costmodel import load_cluster
+    peaks = {}
+    for L in (1, 3):
+        cfg = tmp_path / f"emu{L}.yaml"
+        text = open("configs/models/tiny-llama-emu.yaml").read()
+        cfg.write_text(text.replace("num_layers: 8", f"num_layers: {L}"))
+        out = tmp_path / f"{L}.json"
+        r = subprocess.run([sys.executable, "-m", "dhelix.cli", "train", "--nproc", str(tp),
+                            "--config", str(cfg), "--tensor-model-parallel-size", str(tp),
+                            *(["--sequence-parallel"] if tp > 1 else []), "--train-iters",
+                            "2", "--data", "synthetic", "--seq-length", "64",
+                            "--micro-batch-size", "1", "--global-batch-size", "1", "--json",
+                            str(out)], capture_output=True, text=True, timeout=500)
+        assert r.returncode == 0, r.stderr[-2000:]
+        peaks[L] = json.load(open(out))["peak_memory_bytes"]
+    m = load_model_config("tiny-llama-emu")
+    lo = Layout(tp, 1, 1, 1, 1, 1, 1, "megatron", False)
+    per_layer = (peaks[3] - peaks[1]) / 2
+    assert kept_bytes(m, lo, 64, 4) == pytest.approx(per_layer, rel=0.05)
+    head = Pricer(m, load_cluster("configs/clusters/a40.yaml"), 64, 1, "fp32")._head(lo)[1]
+    assert head == pytest.approx(peaks[1] - per_layer, rel=0.05)

@@ -22,7 +22,7 @@ master weights and Adam moments sharded over DP (`dtype="fp32"`, as CPU runs tra
 weights and grads, Adam's two moments sharded, no master copy), the activations the schedule keeps at
 its peak (the pipeline simulator's per-stage peak; PP = 1: L layers of one micro-batch
 for megatron, L + 1 for DHelix's two strands; recomputation keeps layer inputs), the
-layer step's transients, and the fp32 logits of the output layer.
+layer step's transients, and the head's fp32 logits and inputs.
 """
 from __future__ import annotations
 
@@ -115,14 +115,19 @@ class Pricer:
         return got
 
     def _costs(self, lo: Layout):
-        """LayerCosts with recomputation applied (module doc)."""
+        """LayerCosts with megatron's kept activations (`kept_bytes`) and recomputation
+        applied (module doc)."""
         from dataclasses import replace
         from dhelix.planner.recompute import input_bytes
         ops, _, _, lc = self.layer(lo)
+        lc = replace(lc, saved=kept_bytes(self.m, lo, self.seq, self._dt()) or lc.saved)
         if not lo.recompute:
             return lc
         return replace(lc, b=lc.b + lc.f, pair=lc.pair + lc.f, saved=input_bytes(ops),
                        transient=lc.transient + lc.saved)
+
+    def _dt(self) -> int:
+        return 2 if self.dtype == "bf16" else 4
 
     # ---- the pieces of a step -----------------------------------------------------------
     def _layers_s(self, lo: Layout, lc) -> Tuple[float, float]:
@@ -147,11 +152,13 @@ class Pricer:
         return r[0], r[1] + lc.transient
 
     def _head(self, lo: Layout) -> Tuple[float, float]:
-        """(output layer + loss seconds per micro-batch, its fp32 logits' bytes)."""
+        """(output layer + loss seconds per micro-batch, what it keeps: the fp32 logits,
+        the final norm's and the output layer's inputs)."""
         tokens = self.seq // lo.cp * lo.mbs
         flops = 3 * 2.0 * tokens * self.m.hidden_size * self.m.vocab_size / lo.tp
         t = flops / (self._peak() * float(self.cluster.get("achieved_fraction", 1.0)))
-        return t, tokens * self.m.vocab_size / lo.tp * 4.0
+        local = tokens // (lo.tp if lo.tp > 1 else 1) * self.m.hidden_size * self._dt()
+        return t, tokens * self.m.vocab_size / lo.tp * 4.0 + 2 * local
 
     def _stage_params(self, lo: Layout) -> Dict[str, float]:
         """Parameters on the busiest stage's GPU: dense (DP-reduced) and experts."""
@@ -222,6 +229,29 @@ class Pricer:
         per_token = 6 * (m.num_layers * active + c["output"]) + \
             12 * m.num_layers * m.hidden_size * self.seq
         return per_token * self.gbs * self.seq
+
+
+def kept_bytes(m, lo: Layout, seq: int, dt: int) -> float:
+    """What one dense layer of megatron's GPT (DHelix's spec: SDPA core attention, the
+    one-node norm, megatron's linears, SwiGLU) keeps for its backward per micro-batch, by
+    what its autograd saves (measured on this machine: `tests/test_advise.py`): each norm's
+    input and fp32 inverse RMS; the QKV and FC1 inputs (sequence-parallel shards); the
+    QKV output (V's storage), the rotated Q and K, the attention output and its fp32
+    log-sum-exp; the projection's input; FC1's output and three FFN-wide tensors of the
+    activation (SwiGLU's SiLU output and product; GELU's two). 0 where this is not known
+    (MoE, context parallel): the planner's estimate is used."""
+    if m.num_experts or lo.cp > 1:
+        return 0.0
+    tp = lo.tp
+    h = m.hidden_size
+    hn = getattr(m, "kv_channels", None) or h // m.num_attention_heads
+    ap, kvp = m.num_attention_heads * hn, m.kv_groups * hn
+    qkv = ap + 2 * kvp
+    f, f1 = m.ffn_hidden_size, m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    T = seq * lo.mbs
+    Tl = T // tp if tp > 1 else T
+    wide = (qkv + ap + kvp + ap + ap + f1 + 3 * f) / tp
+    return float(dt * (4 * Tl * h + T * wide) + 4 * (2 * Tl + T * m.num_attention_heads / tp))
 
 
 def _pipelines(lc, L: int, pp: int, N: int, p2p: float) -> Dict[str, tuple]:
