@@ -195,8 +195,7 @@ def test_gradient_bytes_of_a_stage_are_the_emulated_models():
     bytes `stage_grad_bytes` gives the emulated model's stage — the number the bench's
     prediction uses."""
     from dhelix.models.config import load_model_config
-    from dhelix.models.params import param_classes
-    from dhelix.train.emulate import grad_scales, stage_grad_bytes
+    from dhelix.models.params import grad_scales, param_classes, stage_grad_bytes
     for small, big, tp, ep in (("tiny-llama-emu", "llama-39b", 2, 1),
                                ("tiny-moe-emu", "phi-3.5-moe", 1, 2)):
         s, b = load_model_config(small), load_model_config(big)
@@ -224,7 +223,8 @@ def test_bench_prediction_puts_each_group_on_its_nodes_link():
     from dhelix.bench import emulated
     from dhelix.models.config import load_model_config
     from dhelix.planner.costmodel import collective_seconds
-    from dhelix.train.emulate import _cluster, parse, stage_grad_bytes
+    from dhelix.models.params import stage_grad_bytes
+    from dhelix.train.emulate import _cluster, parse
     emu = parse("paced:a40", "llama-8b,seq=4096,mbs=1")
     c = _cluster("a40")
     small, big = load_model_config("tiny-llama-emu"), load_model_config("llama-8b")

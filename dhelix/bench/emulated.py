@@ -62,7 +62,7 @@ def dp_reduce_seconds(a, small, big, cluster, stage_layers: List[int],
                       holds: List[tuple]) -> List[float]:
     """Per pipeline stage: its DP (and expert-DP) gradient all-reduce, seconds. `holds`:
     per stage, (has the embedding, has the output layer)."""
-    from dhelix.train.emulate import stage_grad_bytes
+    from dhelix.models.params import stage_grad_bytes
     tp, cp, pp, dp = _sizes(a)
     ep = a.expert_model_parallel_size
     nodes = node_ids(a, cluster)

@@ -1,6 +1,7 @@
 """How many parameters a GPU holds, by kind, for a model config at a TP/EP size (plain
-arithmetic, no torch): what paced compute scales gradients by (`train/emulate.py`) and
-what `dhelix advise` counts memory and MFU with."""
+arithmetic, no torch): what paced compute scales gradients by (`train/emulate.py`:
+`grad_scales`), what the bench's prediction moves (`stage_grad_bytes`), and what `dhelix
+advise` counts memory and MFU with."""
 from __future__ import annotations
 
 from typing import Dict
@@ -39,3 +40,32 @@ def param_class(name: str) -> str:
     if "output_layer" in name:
         return "output"
     return "norm"
+
+
+# ---- gradients: what the DP (and expert-DP) reduction moves -------------------------------
+def grad_scales(small, big, chunks, tp: int, ep: int) -> Dict[str, float]:
+    """{"dp": ..., "edp": ...}: the emulated model's gradient bytes over the small one's,
+    for the DP group (dense parameters) and the expert-DP group (the experts') of the
+    stage on this rank: each parameter counts as the emulated model's parameter of its
+    kind (the embedding as the emulated vocabulary's, a layer as its layer's). Gradients
+    stay in the small model's dtype (fp32 here: megatron's default main grads)."""
+    cs, cb = param_classes(small, tp, ep), param_classes(big, tp, ep)
+    num, den = {"dp": 0.0, "edp": 0.0}, {"dp": 0.0, "edp": 0.0}
+    for c in chunks:
+        for name, p in c.named_parameters():
+            k = param_class(name)
+            g = "edp" if k == "experts" else "dp"
+            num[g] += p.numel() * cb[k] / cs[k]
+            den[g] += p.numel()
+    return {g: num[g] / den[g] if den[g] else 1.0 for g in num}
+
+
+def stage_grad_bytes(m, tp: int, ep: int, layers: int, first: bool, last: bool,
+                     dtype_bytes: int = 4) -> Dict[str, float]:
+    """{"dp", "edp"}: bytes of gradients a pipeline stage of `layers` layers reduces over
+    DP and expert-DP (the embedding on the first stage, final norm and output layer on the
+    last), as `grad_scales` makes the emulation move them."""
+    c = param_classes(m, tp, ep)
+    dense = layers * c["layer"] + (c["embedding"] if first else 0) + \
+        ((c["output"] + c["norm"]) if last else 0)
+    return {"dp": dense * dtype_bytes, "edp": layers * c["experts"] * dtype_bytes}

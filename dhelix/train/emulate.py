@@ -39,7 +39,7 @@ from typing import Dict, Optional
 
 import torch
 
-from dhelix.models.params import param_class, param_classes
+from dhelix.models.params import grad_scales
 from dhelix.planner.opspec import COMM, LayerOps
 
 
@@ -348,35 +348,6 @@ def emulated_layer(emu: Emulation, *, tp: int, sp: bool, cp: int = 1, ep: int = 
     table = analytical_table(ops, cluster, group_sizes_of({"tp": tp, "cp": cp, "ep": ep}, ops),
                              cluster_name=emu.cluster)
     return big, ops, table, cluster
-
-
-# ---- gradients: what the DP (and expert-DP) reduction moves ----------------------------
-def grad_scales(small, big, chunks, tp: int, ep: int) -> Dict[str, float]:
-    """{"dp": ..., "edp": ...}: the emulated model's gradient bytes over the small one's,
-    for the DP group (dense parameters) and the expert-DP group (the experts') of the
-    stage on this rank: each parameter counts as the emulated model's parameter of its
-    kind (the embedding as the emulated vocabulary's, a layer as its layer's). Gradients
-    stay in the small model's dtype (fp32 here: megatron's default main grads)."""
-    cs, cb = param_classes(small, tp, ep), param_classes(big, tp, ep)
-    num, den = {"dp": 0.0, "edp": 0.0}, {"dp": 0.0, "edp": 0.0}
-    for c in chunks:
-        for name, p in c.named_parameters():
-            k = param_class(name)
-            g = "edp" if k == "experts" else "dp"
-            num[g] += p.numel() * cb[k] / cs[k]
-            den[g] += p.numel()
-    return {g: num[g] / den[g] if den[g] else 1.0 for g in num}
-
-
-def stage_grad_bytes(m, tp: int, ep: int, layers: int, first: bool, last: bool,
-                     dtype_bytes: int = 4) -> Dict[str, float]:
-    """{"dp", "edp"}: bytes of gradients a pipeline stage of `layers` layers reduces over
-    DP and expert-DP (the embedding on the first stage, final norm and output layer on the
-    last), as `grad_scales` makes the emulation move them."""
-    c = param_classes(m, tp, ep)
-    dense = layers * c["layer"] + (c["embedding"] if first else 0) + \
-        ((c["output"] + c["norm"]) if last else 0)
-    return {"dp": dense * dtype_bytes, "edp": layers * c["experts"] * dtype_bytes}
 
 
 def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int = 1,
