@@ -7,6 +7,11 @@ predicted vs measured memory per rank (weights, gradient buffers, optimizer stat
 peak activations; the busiest rank).
 
     python scripts/advise_check.py --nproc 2,4 --link paced:1gbit --out advise-check
+
+With `--profile`, each layer shape the layouts use is first measured by `dhelix profile`
+on the same link (its ranks: TP × CP × EP), and advise prices from those tables
+(`--overlap-table`: the layers, the head and the optimizer as measured) instead of the
+analytical model.
 """
 from __future__ import annotations
 
@@ -34,6 +39,9 @@ def main():
     p.add_argument("--train-iters", type=int, default=3)
     p.add_argument("--link", default="paced:1gbit")
     p.add_argument("--out", default="advise-check")
+    p.add_argument("--profile", action="store_true", help="price from tables `dhelix "
+                   "profile` measures first, one per layer shape")
+    p.add_argument("--repeats", type=int, default=5, help="dhelix profile --repeats")
     a = p.parse_args()
     import yaml
     from dhelix.advise.layouts import enumerate_layouts
@@ -54,11 +62,13 @@ def main():
             if name == a.moe_config and str(n) not in a.moe_nproc.split(","):
                 continue
             m = load_model_config(name)
-            pricer = Pricer(m, cluster, a.seq_length, a.global_batch_size, "fp32")
             los = [lo for lo in enumerate_layouts(m, n, n, a.seq_length,
                                                   a.global_batch_size, (False,))
                    if lo.mbs == a.micro_batch_size and (lo.ep > 1) == bool(m.num_experts)]
             los = los[:a.limit or None]
+            tables = [profile(name, shape, a, work) for shape in
+                      sorted({(lo.tp, lo.cp, lo.ep) for lo in los})] if a.profile else []
+            pricer = Pricer(m, cluster, a.seq_length, a.global_batch_size, "fp32", tables)
             for lo in los:
                 pred = pricer.price(lo)
                 out = os.path.join(work, f"{n}-{name}-{len(rows)}.json")
@@ -76,6 +86,7 @@ def main():
                 steady = res["step_times_s"][1:] or res["step_times_s"]
                 meas_mem = sum(res["model_state_bytes"].values()) + res["peak_memory_bytes"]
                 rows.append({"nproc": n, "config": name, "layout": lo.name(),
+                             "cost_source": pred.cost_source,
                              "predicted_s": pred.step_s, "measured_s":
                              statistics.median(steady), "predicted_bytes":
                              pred.memory_bytes, "measured_bytes": meas_mem,
@@ -104,6 +115,24 @@ def main():
         f.write(md + "\n")
     with open(a.out + ".json", "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def profile(name: str, shape, a, work: str) -> str:
+    """`dhelix profile` of one layer shape (TP, CP, EP) on the link; the table's path."""
+    tp, cp, ep = shape
+    out = os.path.join(work, f"table-{name}-tp{tp}-cp{cp}-ep{ep}.json")
+    cmd = [sys.executable, "-m", "dhelix.cli", "profile", "--config", name, "--seq-length",
+           str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size),
+           "--tensor-model-parallel-size", str(tp), "--context-parallel-size", str(cp),
+           "--nproc", str(tp * cp * ep), "--link", a.link, "--repeats", str(a.repeats),
+           "--pairs", "concurrent", "--out", out]
+    if tp > 1:
+        cmd.append("--sequence-parallel")
+    if ep > 1:
+        cmd += ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", "1"]
+    print(f"profile {name} TP{tp} CP{cp} EP{ep} ...", file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    return out
 
 
 if __name__ == "__main__":

@@ -164,3 +164,62 @@ def test_kept_activations_are_what_megatron_keeps(tp, tmp_path):
     assert kept_bytes(m, lo, 64, 4) == pytest.approx(per_layer, rel=0.05)
     head = Pricer(m, load_cluster("configs/clusters/a40.yaml"), 64, 1, "fp32")._head(lo)[1]
     assert head == pytest.approx(peaks[1] - per_layer, rel=0.05)
+
+
+def _scaled_table(pricer, lo, factor, extras=None):
+    """The analytical table of `lo`'s layer shape with every time × `factor`: stands for
+    a table `dhelix profile` measured (a profile of the same shape: test_profile.py)."""
+    from dhelix.planner.costs import CostTable
+    d = pricer.layer(lo)[1].to_json()
+    for k in ("alone_f", "alone_b", "in_step_f", "in_step_b"):
+        d[k] = {n: v * factor for n, v in d.get(k, {}).items()}
+    d["pair"] = {f: {b: v * factor for b, v in row.items()} for f, row in d["pair"].items()}
+    if extras is not None:
+        d["step_extras"] = extras.to_json()
+    return CostTable.from_json(d)
+
+
+def test_profiled_table_prices_its_shape_only(tmp_path):
+    """A layout whose layer shape a profiled table was made for is priced from it (its
+    layers, its head and optimizer from the table's step_extras) and names it; the other
+    shapes stay analytical; the CLI says which table went unused, and a broken one is
+    one message."""
+    from dhelix.advise.price import Pricer
+    from dhelix.planner.costmodel import load_cluster
+    from dhelix.planner.costs import StepExtras
+    m = load_model_config("tiny-llama-emu")
+    cluster = load_cluster("configs/clusters/a40.yaml")
+    ana = Pricer(m, cluster, 64, 8, "fp32")
+    tp2, tp1 = (Layout(t, 1, 1, 2 // t, 1, 1, 8 // (2 // t), "megatron", False)
+                for t in (2, 1))
+    ex = StepExtras(0.01, 0.02, 0.03, 0.04, optimizer_s=0.5, finalize_s=0.0,
+                    num_layers=m.num_layers, zero_grad_s=0.1)
+    path = str(tmp_path / "tp2.json")
+    _scaled_table(ana, tp2, 10.0, ex).save(path)
+    prof = Pricer(m, cluster, 64, 8, "fp32", [path])
+    a, p = ana.price(tp2), prof.price(tp2)
+    assert (a.cost_source, p.cost_source) == ("analytical", path)
+    assert p.layers_s == pytest.approx(10 * a.layers_s, rel=1e-9)
+    assert p.head_s == pytest.approx(tp2.microbatches * 0.1)
+    assert p.optimizer_s == pytest.approx(0.6)          # TP2, DP1: the whole model's shard
+    assert prof.price(tp1).cost_source == "analytical"
+    assert prof.price(tp1).step_s == pytest.approx(ana.price(tp1).step_s)
+    # the CLI: the table names the source; a table of no layout's shape is said unused
+    out = str(tmp_path / "adv")
+    r = _advise("--config", "tiny-llama-emu", "--cluster", "a40", "--gpus", "2",
+                "--seq-length", "64", "--global-batch-size", "8", "--dtype", "fp32",
+                "--overlap-table", path, "--top", "100", "--out", out)
+    assert r.returncode == 0, r.stderr
+    res = json.load(open(out + ".json"))
+    assert path in res["cost_source"]
+    assert {p["cost_source"] for p in res["top"]} == {"analytical", path}
+    assert "| cost |" in open(out + ".md").read()
+    r = _advise("--config", "tiny-llama-emu", "--cluster", "a40", "--gpus", "2",
+                "--seq-length", "128", "--global-batch-size", "8", "--dtype", "fp32",
+                "--overlap-table", path, "--out", out)
+    assert r.returncode == 0 and f"{path} matches no layout" in r.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    r = _advise("--config", "tiny-llama-emu", "--gpus", "2", "--overlap-table", str(bad))
+    assert r.returncode == 2 and str(bad) in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -1,5 +1,9 @@
 """What a layout costs: step time, tokens/s, MFU and memory per GPU, from the planner and
-the simulators on one cost source (a cluster file's analytical model).
+the simulators. Cost source, per layer shape: a profiled table (`dhelix profile`'s file,
+`--overlap-table`) when one was made for exactly that shape (its LayerOps signature),
+else the cluster file's analytical model; each `Prediction` names its source. With a
+profiled table that carries `step_extras`, the head is the measured embedding + head +
+loss per micro-batch, and the optimizer the measured step scaled to the rank's shard.
 
 Time of one step (each term in `Prediction`):
   layers     PP = 1: megatron L·N·(f + b); DHelix L·(f + b + (N−1)·pair) — F(1) alone,
@@ -27,7 +31,7 @@ layer step's transients, and the head's fp32 logits and inputs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Tuple
+from typing import Dict, Sequence, Tuple
 
 from dhelix.advise.layouts import Layout
 
@@ -45,6 +49,7 @@ class Prediction:
     dp_s: float
     optimizer_s: float
     memory: Dict[str, float] = field(default_factory=dict)    # bytes per GPU, by part
+    cost_source: str = "analytical"     # or the profiled table's path
 
     @property
     def memory_bytes(self) -> float:
@@ -68,10 +73,20 @@ class Pricer:
     a layer shape is planned once (memoised), a pipeline simulated once per shape."""
 
     def __init__(self, m, cluster: dict, seq_length: int, global_batch_size: int,
-                 dtype: str = "bf16"):
+                 dtype: str = "bf16", tables: Sequence[str] = ()):
         from dhelix.planner.costmodel import gpus_per_node
+        from dhelix.planner.costs import CostTable, TableError
         if dtype not in ("bf16", "fp32"):
             raise ValueError(f"dtype {dtype!r}: bf16 or fp32")
+        # profiled tables by the layer signature they were measured for
+        self.tables: Dict[str, Tuple[str, object]] = {}
+        for path in tables:
+            t = CostTable.load(path)
+            if t.signature in self.tables:
+                raise TableError(f"{path}: made for the same layer shape as "
+                                 f"{self.tables[t.signature][0]}; give one table per shape")
+            self.tables[t.signature] = (path, t)
+        self.tables_used: Dict[str, int] = {}        # path -> layer shapes it priced
         self.m, self.cluster, self.dtype = m, cluster, dtype
         self.seq, self.gbs = seq_length, global_batch_size
         self.gpn = gpus_per_node(cluster)
@@ -81,11 +96,18 @@ class Pricer:
         self.planned = 0                  # DP planner runs
 
     # ---- one layer shape ----------------------------------------------------------------
+    def source(self, lo: Layout) -> str:
+        """The cost source of the layout's layer shape: a profiled table's path or
+        "analytical"."""
+        return self.layer(lo)[4]
+
     def layer(self, lo: Layout) -> tuple:
-        """(LayerOps, cost table, DHelix plan, LayerCosts) of the layout's layer shape.
-        The DP planner runs once per (TP, CP, EP) group shape, at the smallest
-        micro-batch size: every op's time scales with the micro-batch alike (latencies aside), so its plan
-        is the plan of the larger micro-batches too, simulated on their own tables."""
+        """(LayerOps, cost table, DHelix plan, LayerCosts, cost source) of the layout's
+        layer shape. On the analytical model the DP planner runs once per (TP, CP, EP)
+        group shape, at the smallest micro-batch size: every op's time scales with the
+        micro-batch alike (latencies aside), so its plan is the plan of the larger
+        micro-batches too, simulated on their own tables. A profiled table gets its own
+        plan."""
         key = (lo.tp, lo.cp, lo.ep, lo.mbs)
         got = self._layers.get(key)
         if got is None:
@@ -99,10 +121,16 @@ class Pricer:
                 ep=lo.ep,
                 ep_lane=_lane(lo.ep, self.gpn), cp=lo.cp,
                 cp_lane=_lane(lo.tp * lo.cp, self.gpn))
-            table = analytical_table(ops, self.cluster,
-                                     group_sizes_of({"tp": lo.tp, "cp": lo.cp, "ep": lo.ep},
-                                                    ops), dtype=self.dtype)
-            pkey = key[:3]
+            source, table = self.tables.get(ops.signature(), ("analytical", None))
+            if table is None:
+                table = analytical_table(
+                    ops, self.cluster, group_sizes_of({"tp": lo.tp, "cp": lo.cp,
+                                                       "ep": lo.ep}, ops), dtype=self.dtype)
+                pkey = key[:3]
+            else:
+                table.check(ops, source, pairs="concurrent")
+                self.tables_used[source] = self.tables_used.get(source, 0) + 1
+                pkey = key + (source,)
             base = self._plans.get(pkey)
             if base is None:
                 base = dp.plan(ops, table)
@@ -110,7 +138,7 @@ class Pricer:
                 self.planned += 1
             plan = Plan(ops.signature(), [o.name for o in ops.forward],
                         [o.name for o in ops.backward], base.steps, dict(base.meta))
-            got = (ops, table, plan, LayerCosts.from_plan(ops, plan, table))
+            got = (ops, table, plan, LayerCosts.from_plan(ops, plan, table), source)
             self._layers[key] = got
         return got
 
@@ -119,7 +147,7 @@ class Pricer:
         applied (module doc)."""
         from dataclasses import replace
         from dhelix.planner.recompute import input_bytes
-        ops, _, _, lc = self.layer(lo)
+        ops, _, _, lc, _ = self.layer(lo)
         lc = replace(lc, saved=kept_bytes(self.m, lo, self.seq, self._dt()) or lc.saved)
         if not lo.recompute:
             return lc
@@ -189,17 +217,40 @@ class Pricer:
         per = self.m.num_layers // lo.pp
         return max(0.0, rs - per * lc.b) + max(0.0, ag - per * lc.f)
 
+    def _shard(self, lo: Layout, params: Dict[str, float]) -> float:
+        """Parameters in the rank's distributed-optimizer shard."""
+        return params["dense"] / (lo.dp * lo.cp) + \
+            params["experts"] / max(1, lo.tp * lo.cp * lo.dp // lo.ep)
+
+    def _measured_extras(self, lo: Layout, shard: float):
+        """(head seconds per micro-batch, optimizer seconds) from the profiled table's
+        step_extras, or None. The optimizer step was timed over the whole model of
+        `num_layers` layers at the table's TP size (`dhelix profile` does not shard it):
+        scaled by the parameters of the rank's shard."""
+        _, table, _, _, source = self.layer(lo)
+        ex = getattr(table, "step_extras", None)
+        if source == "analytical" or ex is None:
+            return None
+        from dhelix.models.params import param_classes
+        c = param_classes(self.m, lo.tp, lo.ep)
+        whole = ex.num_layers * (c["layer"] + c["experts"]) + c["embedding"] + \
+            c["output"] + c["norm"]
+        return (ex.per_microbatch(),
+                (ex.optimizer_s + ex.zero_grad_s) * shard / whole)
+
     def price(self, lo: Layout) -> Prediction:
         lc = self._costs(lo)
         layers_s, act = self._layers_s(lo, lc)
         head1, logits = self._head(lo)
-        head_s = lo.microbatches * head1
         params = self._stage_params(lo)
         dp_s = self._dp(lo, params, lc)
-        shard = params["dense"] / (lo.dp * lo.cp) + \
-            params["experts"] / max(1, lo.tp * lo.cp * lo.dp // lo.ep)
+        shard = self._shard(lo, params)
         bw = self.cluster.get("memory_bandwidth_GBps")
         opt_s = shard * 36 / (float(bw) * 1e9) if bw else 0.0
+        measured = self._measured_extras(lo, shard)
+        if measured is not None:
+            head1, opt_s = measured
+        head_s = lo.microbatches * head1
         step = layers_s + head_s + dp_s + opt_s
         tokens = self.gbs * self.seq
         n_all = params["dense"] + params["experts"]
@@ -208,7 +259,7 @@ class Pricer:
                   "activations": act, "logits": logits}
         return Prediction(lo, step, tokens / step,
                           self.model_flops() / (self.gpus(lo) * self._peak() * step),
-                          layers_s, head_s, dp_s, opt_s, memory)
+                          layers_s, head_s, dp_s, opt_s, memory, self.source(lo))
 
     # ---- MFU ----------------------------------------------------------------------------
     def _peak(self) -> float:

@@ -11,16 +11,21 @@ from dhelix.advise.price import GiB, Prediction
 
 
 def table(preds: List[Prediction], memory_GiB: float) -> str:
+    """The markdown table; a "cost" column when some rows were priced from a profiled
+    table (`--overlap-table`)."""
+    profiled = any(p.cost_source != "analytical" for p in preds)
     lines = ["| # | layout | schedule | tokens/s | step s | MFU | memory GiB (of "
-             f"{memory_GiB:g}) | layers / head / DP / optimizer s |",
-             "|---:|---|---|---:|---:|---:|---:|---|"]
+             f"{memory_GiB:g}) | layers / head / DP / optimizer s |" +
+             (" cost |" if profiled else ""),
+             "|---:|---|---|---:|---:|---:|---:|---|" + ("---|" if profiled else "")]
     for i, p in enumerate(preds, 1):
         lo = p.layout
         lines.append(
             f"| {i} | {lo.name().rsplit(' ', 1 + lo.recompute)[0]} | {lo.schedule}"
             f"{' + recompute' if lo.recompute else ''} | {p.tokens_per_s:,.0f} | "
             f"{p.step_s:.3f} | {p.mfu:.1%} | {p.memory_bytes / GiB:.1f} | "
-            f"{p.layers_s:.3f} / {p.head_s:.3f} / {p.dp_s:.3f} / {p.optimizer_s:.3f} |")
+            f"{p.layers_s:.3f} / {p.head_s:.3f} / {p.dp_s:.3f} / {p.optimizer_s:.3f} |" +
+            (f" {os.path.basename(p.cost_source)} |" if profiled else ""))
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ class AdviseOptions:
     top: int = 10
     recompute: str = "both"             # both | off | on
     dtype: str = "bf16"                 # bf16 (GPUs) | fp32 (as CPU runs train)
+    overlap_table: Optional[List[str]] = None   # profiled tables (`dhelix profile`)
     out: str = "advise"                 # prefix for .md, .json, .png, the plan and sbatch
 
 
@@ -33,6 +34,7 @@ def run_advise(o: AdviseOptions) -> int:
 
     from dhelix.models.config import ConfigError, find_named_yaml, load_model_config
     from dhelix.planner.costmodel import ClusterError, gpus_per_node, load_cluster
+    from dhelix.planner.costs import TableError
     t0 = time.perf_counter()
     try:
         m = load_model_config(o.config)
@@ -44,12 +46,13 @@ def run_advise(o: AdviseOptions) -> int:
                               f"--memory-per-gpu GiB")
         gpn = gpus_per_node(cluster)
         check_job(m, o.gpus, gpn, o.seq_length, o.global_batch_size)
-    except (AdviseError, ConfigError, ClusterError, FileNotFoundError) as e:
+        pricer = Pricer(m, cluster, o.seq_length, o.global_batch_size, o.dtype,
+                        o.overlap_table or ())
+    except (AdviseError, ConfigError, ClusterError, TableError, FileNotFoundError) as e:
         print(f"dhelix advise: error: {e}", file=sys.stderr)
         return 2
     rc = {"both": (False, True), "off": (False,), "on": (True,)}[o.recompute]
     layouts = list(enumerate_layouts(m, o.gpus, gpn, o.seq_length, o.global_batch_size, rc))
-    pricer = Pricer(m, cluster, o.seq_length, o.global_batch_size, o.dtype)
     preds: List[Prediction] = []
     for lo in tqdm(layouts, desc="dhelix advise", unit="layout", file=sys.stderr,
                    mininterval=0.5):
@@ -59,6 +62,10 @@ def run_advise(o: AdviseOptions) -> int:
             print(f"dhelix advise: skipped {lo.name()}: {e}", file=sys.stderr)
     ok = sorted((p for p in preds if fits(p, mem)), key=lambda p: -p.tokens_per_s)
     search_s = time.perf_counter() - t0
+    unused = [path for path, _ in pricer.tables.values() if path not in pricer.tables_used]
+    for path in unused:
+        print(f"dhelix advise: warning: {path} matches no layout's layer shape (model, "
+              f"TP/CP/EP, sequence, micro-batch, dtype): not used", file=sys.stderr)
     if not ok:
         least = min(preds, key=lambda p: p.memory_bytes)
         states = sum(least.memory[k] for k in ("weights", "grads", "optimizer"))
@@ -89,12 +96,12 @@ def run_advise(o: AdviseOptions) -> int:
     title = (f"{m.name} on {o.gpus} × {cname}, seq {o.seq_length}, global batch "
              f"{o.global_batch_size}")
     report.picture(top, o.out + ".png", title, mem)
-    md = _markdown(o, m, cname, cluster, path, top, best, winner, plan_path, len(layouts),
-                   len(ok), pricer.planned, search_s, mem)
+    md = _markdown(o, m, cname, _source(cluster, path, pricer), top, best, winner,
+                   plan_path, len(layouts), len(ok), pricer.planned, search_s, mem)
     with open(o.out + ".md", "w") as f:
         f.write(md + "\n")
     with open(o.out + ".json", "w") as f:
-        json.dump({"options": asdict(o), "cost_source": _source(cluster, path),
+        json.dump({"options": asdict(o), "cost_source": _source(cluster, path, pricer),
                    "search_s": search_s, "layouts": len(layouts), "fit": len(ok),
                    "top": [p.to_json() for p in top],
                    "best": {k: (p.to_json() if p else None) for k, p in best.items()}},
@@ -105,19 +112,23 @@ def run_advise(o: AdviseOptions) -> int:
     return 0
 
 
-def _source(cluster: dict, path: str) -> str:
-    return (f"analytical model of {path} (peak FLOP/s × achieved_fraction "
-            f"{cluster.get('achieved_fraction', 1.0)}, link bandwidths and latencies)")
+def _source(cluster: dict, path: str, pricer: Pricer) -> str:
+    s = (f"analytical model of {path} (peak FLOP/s × achieved_fraction "
+         f"{cluster.get('achieved_fraction', 1.0)}, link bandwidths and latencies)")
+    if pricer.tables_used:
+        s = (f"the profiled tables {', '.join(sorted(pricer.tables_used))} for their layer "
+             f"shapes (column \"cost\"), else the " + s)
+    return s
 
 
-def _markdown(o, m, cname, cluster, path, top, best, winner, plan_path, n_layouts, n_fit,
+def _markdown(o, m, cname, source, top, best, winner, plan_path, n_layouts, n_fit,
               planned, search_s, mem) -> str:
     bm, bd = best["megatron"], best["dhelix"]
     lines = [f"## dhelix advise: {m.name} on {o.gpus} GPUs ({cname}), seq {o.seq_length}, "
              f"global batch {o.global_batch_size}", "",
              f"{n_layouts} legal layouts, {n_fit} fit {mem:g} GiB per GPU; {planned} DP "
              f"plans (one per TP, CP, EP); search {search_s:.1f} s. Cost source: "
-             f"{_source(cluster, path)}. The simulators' error, measured against runs: "
+             f"{source}. The simulators' error, measured against runs: "
              f"docs/advise.md (\"Against measured runs\").", "", report.table(top, mem), ""]
     if bm and bd:
         lines.append(f"megatron's best: {bm.layout.name()}, {bm.tokens_per_s:,.0f} tokens/s; "

@@ -30,6 +30,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=D.dtype,
                    help="bf16 training (default), or fp32 as `dhelix train` runs on CPU "
                         "(the check against measured runs on this machine)")
+    p.add_argument("--overlap-table", action="append", metavar="FILE",
+                   help="a table `dhelix profile` measured (repeatable): the layouts whose "
+                        "layer shape it was made for are priced from it, their head and "
+                        "optimizer from its step_extras; the rest analytically")
     p.add_argument("--out", default=D.out, help="prefix for .md, .json, .png, .plan.json and "
                    ".sbatch (default: %(default)s)")
     p.set_defaults(func=run)
