@@ -18,8 +18,13 @@ A step is replayed the way the executor (`strand.executor.execute_step`) runs it
   progresses at rate 1/s; the comm keeps its alone time. s comes from the pair table so
   that the two launched together end after the measured P (`compute_slowdown`). On a
   link that moves bytes without the cores (a NIC, NVLink, the paced link) s is 1.
-* A step ends at a barrier when the thread is done and every comm op has ended; the
-  plan's makespan is the sum of its steps' times.
+* The steps of a plan run back to back (the executor's `run_layer_step`): a step ends
+  when its ops are issued and its compute is done, and the next starts on the thread at
+  once, with the comm ops still in flight (`Carry`); a comm op's result is waited for by
+  its reader only, in whichever step that comes. The layer pair ends when the thread is
+  done and every comm op has ended (its one barrier). `step` without a carry is one step
+  from a barrier to a barrier: the DP planner's step cost (so a plan's sum of step costs
+  bounds its makespan from above).
 * Memory: the run starts with ``base_bytes`` (default: the ``saved_bytes`` of all backward
   ops, i.e. β's activations are alive). A forward op allocates its ``saved_bytes`` and
   ``temp_bytes`` when it starts (a comm op: when issued) and frees ``temp_bytes`` when it
@@ -36,7 +41,7 @@ the last step); the final `kv_b_C` is read by `attn_in_b` at once.
 
 `LaneModel.step` is the single-step function; the DP planner (and the C++ core, which
 mirrors it operation by operation so both give bit-identical times) uses it as the cost
-of a step.
+of a step. `LaneModel.run` plays a whole plan's steps with the carry.
 """
 from __future__ import annotations
 
@@ -51,6 +56,17 @@ ALPHA, BETA = "alpha", "beta"
 LANE_ID = {name: k for k, name in enumerate(LANES)}
 
 Event = Tuple[str, str, str, float, float]       # (strand, op, lane, start, end)
+
+
+@dataclass
+class Carry:
+    """What one step of a layer pair hands the next (the reader-waits rule, module doc):
+    the thread's time, each lane's free time, every comm op issued so far (its reader may
+    come later), and the latest end of any op."""
+    t: float = 0.0
+    lane_free: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    comms: list = field(default_factory=list)
+    end: float = 0.0
 
 
 @dataclass
@@ -114,14 +130,36 @@ class LaneModel:
                 base_bytes = base_bytes + v
         self.base = float(base_bytes)
 
+    def run(self, steps: Sequence[Tuple[Sequence[int], Sequence[int]]], mem0: float = 0.0,
+            events: Optional[list] = None, memory: Optional[list] = None,
+            starts: Optional[list] = None) -> Tuple[float, float, float]:
+        """A plan's steps (forward and backward index lists) back to back, with the carry:
+        (makespan, peak bytes, bytes at the end); `starts` collects when each step began
+        on the thread."""
+        carry = Carry()
+        peak = mem = mem0
+        for fidx, bidx in steps:
+            if starts is not None:
+                starts.append(carry.t)
+            _, p, mem = self.step(fidx, bidx, mem0=mem, events=events, memory=memory,
+                                  carry=carry)
+            if p > peak:
+                peak = p
+        return carry.end, peak, mem
+
     def step(self, fidx: Sequence[int], bidx: Sequence[int], mem0: float = 0.0,
              t0: float = 0.0, events: Optional[list] = None,
-             memory: Optional[list] = None) -> Tuple[float, float, float]:
+             memory: Optional[list] = None,
+             carry: Optional[Carry] = None) -> Tuple[float, float, float]:
         """Simulate one step; return (duration, peak bytes, bytes at the end). `events`
         collects each op's (strand, name, lane, start, end); `memory` the bytes live after
-        each allocation or free, as (time, bytes).
+        each allocation or free, as (time, bytes). With `carry` the step starts where the
+        one before left the thread, lanes and comm ops in flight, and updates it (times
+        are then absolute, and the duration runs from the step's start to its last op's
+        end).
 
-        The arithmetic here is mirrored exactly by csrc/planner.cpp (Problem::simulate)."""
+        Without a carry the arithmetic here is mirrored exactly by csrc/planner.cpp
+        (Problem::simulate)."""
         lanes = (self.f_lane, self.b_lane)
         T = (self.f_T, self.b_T)
         reader = (self.f_reader, self.b_reader)
@@ -139,11 +177,15 @@ class LaneModel:
             qs = [qs[1], qs[0]]
         pos = [0] * len(qs)
         cur = 0
-        t = 0.0
-        lane_free = [0.0, 0.0, 0.0]
-        comms = []          # (strand, k, start, end) in issue order
+        if carry is None:
+            t = 0.0
+            lane_free = [0.0, 0.0, 0.0]
+            comms = []      # (strand, k, start, end) in issue order
+        else:
+            t, lane_free, comms = carry.t, carry.lane_free, carry.comms
+        start = t
         mevs = []           # (time, 0 free / 1 alloc, seq, bytes)
-        span = 0.0
+        span = start
         ends = {}           # program ops: when each ended (for the lifetimes)
         while True:
             if pos[0] >= len(qs[0][1]) and (len(qs) < 2 or pos[1] >= len(qs[1][1])):
@@ -214,6 +256,11 @@ class LaneModel:
                 mem = mem - nbytes
             if memory is not None:
                 memory.append((t0 + tm, mem))
+        if carry is not None:
+            carry.t = t
+            if span > carry.end:
+                carry.end = span
+            return span - start, peak, mem
         return span, peak, mem
 
 
@@ -264,21 +311,20 @@ def simulate(layer: LayerOps, plan: Plan, table: Optional[CostTable] = None, *,
         from dhelix.planner.costmodel import analytical_table
         table = analytical_table(layer, cluster, group_sizes or {}, dtype=dtype)
     model = LaneModel(layer, table, base_bytes=base_bytes, force=force)
+    events: List[Event] = []
+    starts: List[float] = []
+    span, peak, _ = model.run(plan_indices(model, plan), mem0=model.base, events=events,
+                              starts=starts)
+    # a step's time: from its start on the thread to the next step's (the last: to the end)
+    step_times = [b - a for a, b in zip(starts, starts[1:] + [span])]
+    return SimResult(span, peak, events, step_times)
+
+
+def plan_indices(model: LaneModel, plan: Plan) -> List[Tuple[List[int], List[int]]]:
+    """The plan's steps as index lists into the model's forward and backward chains."""
     fpos = {n: k for k, n in enumerate(model.f_names)}
     bpos = {n: k for k, n in enumerate(model.b_names)}
-    events: List[Event] = []
-    step_times: List[float] = []
-    t = 0.0
-    mem = model.base
-    peak = mem
-    for st in plan.steps:
-        dur, p, mem = model.step([fpos[n] for n in st.fwd], [bpos[n] for n in st.bwd],
-                                 mem0=mem, t0=t, events=events)
-        step_times.append(dur)
-        if p > peak:
-            peak = p
-        t = t + dur
-    return SimResult(t, peak, events, step_times)
+    return [([fpos[n] for n in st.fwd], [bpos[n] for n in st.bwd]) for st in plan.steps]
 
 
 # ---- output ------------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 A step holds at most one segment of each strand. Both are issued, interleaved: a strand
 runs until it has launched a comm op (whose result its next op will wait for), then the
-other strand runs; when both are issued, the step's barrier waits for every comm in
-flight. A segment may hold several comm ops, of one group or several: they are issued in
-this one order on every rank, the lane runs them first-in first-out, and each result is
-waited for by the op that reads it.
+other strand runs. A segment may hold several comm ops, of one group or several: they are
+issued in this one order on every rank, the lane runs them first-in first-out, and each
+result is waited for by the op that reads it. The steps of a layer step run back to back:
+a comm still in flight when its step's ops are issued is waited for by its reader only,
+in a later step, and one barrier at the end of the layer step waits for what no op read
+(the simulator's `Carry`). A step run alone (`execute_step`) ends at its own barrier.
 
 A strand is one state, or the batch tiles of one node (`LayerNode(tiles=2)`): each op
 then runs on every tile in turn. The executor does not care which way a strand runs:
@@ -56,22 +58,27 @@ def _first_comm(items: List[Item]) -> int:
 
 
 def execute_step(a: Optional[Segment], b: Optional[Segment],
-                 tracer: Optional[Tracer] = None) -> None:
-    """Issue two segments interleaved, then wait for all their comms (the barrier)."""
+                 tracer: Optional[Tracer] = None, barrier: bool = True) -> list:
+    """Issue two segments interleaved, then wait for all their comms (the barrier); with
+    `barrier=False` return what was issued, for the caller's barrier."""
     qa, qb = _items(a), _items(b)
     if not qb:
-        _run_alone(qa, tracer)
+        issued = _run_alone(qa, tracer)
     elif not qa:
-        _run_alone(qb, tracer)
+        issued = _run_alone(qb, tracer)
     else:
         # start with the strand whose first comm comes earliest, to launch comm early
         qs = [qb, qa] if _first_comm(qb) < _first_comm(qa) else [qa, qb]
-        _run_two(qs, tracer)
+        issued = _run_two(qs, tracer)
     if tracer is not None:
         tracer.step += 1
+    if not barrier:
+        return issued
+    _barrier(issued, {id(S): S for S, _ in qa + qb}.values(), tracer)
+    return []
 
 
-def _run_alone(q: List[Item], tracer: Optional[Tracer]) -> None:
+def _run_alone(q: List[Item], tracer: Optional[Tracer]) -> list:
     issued = []
     with torch.no_grad():
         for S, op in q:
@@ -81,14 +88,15 @@ def _run_alone(q: List[Item], tracer: Optional[Tracer]) -> None:
             else:
                 op.run(S)
             if op.spec.kind == COMM:
-                issued.append((S, op, mark, S.pending[-1] if S.pending else None))
+                issued.append((S, op, mark, S.pending[-1] if S.pending else None,
+                               tracer.step if tracer is not None else 0))
                 continue
             if tracer is not None:
                 tracer.compute(S, op, mark)
-        _barrier(issued, {id(S): S for S, _ in q}.values(), tracer)
+    return issued
 
 
-def _run_two(qs: List[List[Item]], tracer: Optional[Tracer]) -> None:
+def _run_two(qs: List[List[Item]], tracer: Optional[Tracer]) -> list:
     pos = [0, 0]
     ends = [len(qs[0]), len(qs[1])]
     cur = 0
@@ -106,20 +114,21 @@ def _run_two(qs: List[List[Item]], tracer: Optional[Tracer]) -> None:
             else:
                 op.run(S)
             if op.spec.kind == COMM:
-                issued.append((S, op, mark, S.pending[-1] if S.pending else None))
+                issued.append((S, op, mark, S.pending[-1] if S.pending else None,
+                               tracer.step if tracer is not None else 0))
                 cur = 1 - cur
                 continue
             if tracer is not None:     # timed from when the comm results it read arrived
                 tracer.compute(S, op, mark)
-        _barrier(issued, {id(S): S for q in qs for S, _ in q}.values(), tracer)
+    return issued
 
 
 def _barrier(issued, states, tracer: Optional[Tracer]) -> None:
-    for S, op, mark, p in issued:
+    for S, op, mark, p, step in issued:
         if p is not None:
             S.lanes.resolve(p)
         if tracer is not None:
-            tracer.comm(S, op, mark, p)
+            tracer.comm(S, op, mark, p, step)
     for S in states:
         S.barrier()
 
@@ -161,18 +170,24 @@ def run_layer_step(plan: Plan,
         return
     f_ops = _bound(plan, fwd[0])[0]
     b_ops = _bound(plan, bwd[0])[1]
+    issued = []
     for k in range(len(plan.steps)):
         a = (fwd[1], f_ops[k]) if f_ops[k] else None
         b = (bwd[1], b_ops[k]) if b_ops[k] else None
         if a or b:
-            execute_step(a, b, tracer)
+            # no barrier between the plan's steps: a comm is waited for by its reader
+            issued += execute_step(a, b, tracer, barrier=False)
+    states = [fwd[1]] if isinstance(fwd[1], StrandState) else list(fwd[1])
+    states += [bwd[1]] if isinstance(bwd[1], StrandState) else list(bwd[1])
+    _barrier(issued, states, tracer)
 
 
 def run_tiles(program: LayerProgram, states: Sequence[StrandState], kind: str,
               tracer: Optional[Tracer] = None) -> None:
     """The two batch halves of one layer's forward (kind "fwd") or backward ("bwd"),
     round-robin: half a's k-th segment beside half b's (k-1)-th, so that one half's comm
-    runs beside the other half's compute (the intra-batch peer)."""
+    runs beside the other half's compute (the intra-batch peer); the steps run back to
+    back, one barrier at the end."""
     chain, by = (program.forward_ops, program.fwd) if kind == "fwd" else \
         (program.backward_ops, program.bwd)
     segs = [[by[n] for n in seg] for seg in comm_runs([o.spec for o in chain])]
@@ -181,6 +196,8 @@ def run_tiles(program: LayerProgram, states: Sequence[StrandState], kind: str,
             execute_step((states[0], seg), None, tracer)
         return
     a, b = states
-    for k in range(len(segs) + 1):
-        execute_step((a, segs[k]) if k < len(segs) else None,
-                     (b, segs[k - 1]) if k >= 1 else None, tracer)
+    issued = []
+    for k in range(len(segs) + 1):        # back to back, as a layer step's plan steps
+        issued += execute_step((a, segs[k]) if k < len(segs) else None,
+                               (b, segs[k - 1]) if k >= 1 else None, tracer, barrier=False)
+    _barrier(issued, [a, b], tracer)

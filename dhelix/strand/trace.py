@@ -149,10 +149,12 @@ class Tracer:
                                     self.clock.work_start(mark, S), self.clock.now(),
                                     self.step, S.label))
 
-    def comm(self, S, op, mark: Mark, p) -> None:
-        """After the barrier resolved `p`, the comm's Pending."""
+    def comm(self, S, op, mark: Mark, p, step: Optional[int] = None) -> None:
+        """After the barrier resolved `p`, the comm's Pending; `step`: the executor step
+        that issued it (the barrier may come steps later)."""
         self._raw.append(TraceEvent(S.strand, op.name, op.spec.lane, mark.t,
-                                    self.clock.comm_end(p), self.step, S.label))
+                                    self.clock.comm_end(p),
+                                    self.step if step is None else step, S.label))
 
 
 LANE_TID = {"compute": 0, "intra": 1, "inter": 2}
