@@ -13,6 +13,8 @@
 //     .step_indices(fidx, bidx, mem0)  -> (time, peak_bytes, bytes_at_end)
 //     .level(i, j)                     -> bytes alive at state (i, j)
 //     .solve(budget=inf)               -> (total, [(i1, i2, j1, j2), ...])  ((inf, []) if none)
+//     .solve_carry()                   -> (makespan, steps): the DP over carried states
+//                                         (dp.py:_carry_dp; steps back to back)
 //   solve_dense(n, m, costs_flat)      -> (total, steps); costs[((i1*(n+1)+i2)*(m+1)+j1)*(m+1)+j2],
 //                                          inf where the transition is forbidden
 #if defined(__clang__)
@@ -139,11 +141,20 @@ class Problem {
 
   double level(int i, int j) const { return (base_ + f_pre_[i]) - b_pre_[j]; }
 
+  struct Comm { int x, k; double s, e; };
+  // What a step hands the next when steps run back to back (simulate.py: Carry).
+  struct Carry {
+    double t = 0.0;
+    double lane_free[3] = {0.0, 0.0, 0.0};
+    std::vector<Comm> comms;
+    double end = 0.0;
+  };
+
   // One step: LaneModel.step of simulate.py (the executor's replay).  Returns (time,
   // peak, mem at end).  Same operations in the same order as the Python, so both give
-  // bit-identical results.
+  // bit-identical results.  With `carry` the step starts from and updates it.
   std::tuple<double, double, double> simulate(const int* fidx, int na, const int* bidx, int nb,
-                                              double mem0) const {
+                                              double mem0, Carry* carry = nullptr) const {
     struct Q { int x; const int* lst; int len; };
     Q qs[2];
     int nq = 0;
@@ -159,12 +170,18 @@ class Problem {
     int pos[2] = {0, 0};
     int cur = 0;
     double t = 0.0;
-    double lane_free[3] = {0.0, 0.0, 0.0};
-    struct Comm { int x, k; double s, e; };
-    std::vector<Comm> comms;
+    double own_lane_free[3] = {0.0, 0.0, 0.0};
+    std::vector<Comm> own_comms;
+    double* lane_free = own_lane_free;
+    std::vector<Comm>& comms = carry ? carry->comms : own_comms;
+    if (carry) {
+      t = carry->t;
+      lane_free = carry->lane_free;
+    }
+    const double start = t;
     struct MEv { double time; int kind; int seq; double bytes; };
     std::vector<MEv> mevs;
-    double span = 0.0;
+    double span = start;
     while (true) {
       if (pos[0] >= qs[0].len && (nq < 2 || pos[1] >= qs[1].len)) break;
       if (pos[cur] >= qs[cur].len) { cur = 1 - cur; continue; }
@@ -229,6 +246,11 @@ class Problem {
         mem = mem - e.bytes;
       }
     }
+    if (carry) {
+      carry->t = t;
+      if (span > carry->end) carry->end = span;
+      return {span - start, peak, mem};
+    }
     return {span, peak, mem};
   }
 
@@ -269,6 +291,57 @@ class Problem {
       return tp.second <= budget ? tp.first : INF;
     });
     return result(r);
+  }
+
+  // The DP over carried states (dp.py:_carry_dp): state (i, j) keeps the carry of the
+  // best way found to reach it (earliest end, then earliest thread time; strict '<'),
+  // each transition one step simulated from that carry.  A heuristic: the carry is not a
+  // function of (i, j) alone, so unlike `solve` it is not exact.
+  py::tuple solve_carry() const {
+    const int n = n_, m = m_;
+    auto at = [m](int i, int j) { return static_cast<size_t>(i) * (m + 1) + j; };
+    std::vector<Carry> C(static_cast<size_t>(n + 1) * (m + 1));
+    std::vector<char> has(C.size(), 0);
+    std::vector<std::pair<int, int>> arg(C.size(), {-1, -1});
+    has[0] = 1;
+    std::vector<int> fi(n > 0 ? n : 1), bi(m > 0 ? m : 1);
+    for (int i2 = 0; i2 <= n; ++i2) {
+      for (int j2 = 0; j2 <= m; ++j2) {
+        if (i2 == 0 && j2 == 0) continue;
+        bool found = false;
+        Carry best;
+        int bi1 = -1, bj1 = -1;
+        for (int i1 = 0; i1 <= i2; ++i1) {
+          for (int j1 = 0; j1 <= j2; ++j1) {
+            if (i1 == i2 && j1 == j2) continue;
+            if (!has[at(i1, j1)]) continue;
+            Carry c = C[at(i1, j1)];
+            for (int k = i1; k < i2; ++k) fi[k - i1] = k;
+            for (int k = j1; k < j2; ++k) bi[k - j1] = k;
+            simulate(fi.data(), i2 - i1, bi.data(), j2 - j1, 0.0, &c);
+            if (!found || c.end < best.end || (c.end == best.end && c.t < best.t)) {
+              best = c;
+              bi1 = i1;
+              bj1 = j1;
+              found = true;
+            }
+          }
+        }
+        C[at(i2, j2)] = best;
+        has[at(i2, j2)] = found ? 1 : 0;
+        arg[at(i2, j2)] = {bi1, bj1};
+      }
+    }
+    std::vector<StepIdx> steps;
+    int i2 = n, j2 = m;
+    while (i2 || j2) {
+      auto [i1, j1] = arg[at(i2, j2)];
+      steps.push_back({i1, i2, j1, j2});
+      i2 = i1;
+      j2 = j1;
+    }
+    std::vector<StepIdx> fwd(steps.rbegin(), steps.rend());
+    return result({C[at(n, m)].end, fwd});
   }
 
   int n() const { return n_; }
@@ -320,6 +393,7 @@ PYBIND11_MODULE(_planner_core, mod) {
            py::arg("mem0") = 0.0)
       .def("level", &Problem::level)
       .def("solve", &Problem::solve, py::arg("budget") = INF)
+      .def("solve_carry", &Problem::solve_carry)
       .def_property_readonly("n", &Problem::n)
       .def_property_readonly("m", &Problem::m);
   mod.def("solve_dense", &solve_dense, py::arg("n"), py::arg("m"), py::arg("costs"));

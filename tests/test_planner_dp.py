@@ -36,9 +36,16 @@ def test_dp_matches_brute_force_table_costs():
         best, best_plan, count = enumerate_.brute_force(layer, sc)
         assert count > 0
         validate(best_plan, layer)
-        assert p.meta["predicted_s"] == pytest.approx(best, rel=1e-12, abs=1e-15), case
-        assert dp.plan_cost(p, layer, sc) == pytest.approx(best, rel=1e-12, abs=1e-15)
-        # the prediction is the simulated makespan of the plan
+        # the barrier DP finds the brute-force optimum of the barrier sum
+        from dhelix.planner.simulate import LaneModel
+        model = LaneModel(layer, table)
+        _, bar = dp._PyProblem(model, dp._Legality(layer)).solve()
+        assert sum(model.step(range(i1, i2), range(j1, j2))[0]
+                   for i1, i2, j1, j2 in bar) == pytest.approx(best, rel=1e-12, abs=1e-15)
+        # the plan kept ends, steps back to back, no later than that optimum's barrier
+        # sum, nor than that optimum run back to back; the prediction is its makespan
+        assert p.meta["predicted_s"] <= best * (1 + 1e-12) + 1e-15, case
+        assert p.meta["predicted_s"] <= dp._run(model, bar) * (1 + 1e-12)
         assert simulate(layer, p, table).makespan == pytest.approx(p.meta["predicted_s"],
                                                                   rel=1e-12, abs=1e-15)
         assert p.meta["predicted_s"] <= p.meta["trivial_predicted_s"] * (1 + 1e-12)
@@ -126,14 +133,45 @@ def test_random_legal_plans_are_legal_and_defer_wgrad():
 
 
 def test_dp_never_worse_than_random_plans():
+    """The plan's makespan is at most any random plan's barrier sum (the barrier DP is
+    exact for that), and beats nearly every random plan run the same way, back to back
+    (the carried DP is greedy)."""
     rng = random.Random(17)
+    beaten = total = 0
     for _ in range(20):
         layer = random_layer(rng)
         table = random_table(layer, rng)
+        sc = dp.make_step_cost(layer, table)
         best = dp.plan(layer, table, backend="python").meta["predicted_s"]
         for _ in range(10):
             rp = enumerate_.random_legal_plan(layer, rng, defer_prob=0.0)
-            assert best <= simulate(layer, rp, table).makespan * (1 + 1e-12)
+            assert best <= dp.plan_cost(rp, layer, sc) * (1 + 1e-12)
+            total += 1
+            beaten += best <= simulate(layer, rp, table).makespan * (1 + 1e-12)
+    assert beaten >= 0.95 * total, (beaten, total)
+
+
+def test_carried_dp_cpp_equals_python_and_its_own_replay(cpp_core):
+    """solve_carry: the same steps and bit-identical makespan in C++ and Python, equal
+    to replaying its steps back to back; where it beats the barrier DP's plan, plan()
+    keeps it."""
+    from dhelix.planner.simulate import LaneModel
+    rng = random.Random(18)
+    kept = 0
+    for case in range(120):
+        layer = random_layer(rng, n_fwd=rng.randint(3, 9), n_bwd=rng.randint(3, 11))
+        table = random_table(layer, rng)
+        model = LaneModel(layer, table)
+        L = dp._Legality(layer)
+        a = dp._PyProblem(model, L).solve_carry()
+        b = dp._cpp_problem(model, L).solve_carry()
+        assert a[0] == b[0] and [tuple(s) for s in a[1]] == [tuple(s) for s in b[1]], case
+        assert dp._run(model, a[1]) == a[0]
+        p = dp.plan(layer, table)
+        bar = dp._run(model, dp._PyProblem(model, L).solve()[1])
+        assert p.meta["predicted_s"] == min(a[0], bar)
+        kept += a[0] < bar
+    assert kept > 0
 
 
 def _a800_table(layer, tp=8):

@@ -92,6 +92,52 @@ class _PyProblem:
         step = self.step
         return _dp(self.L, lambda i1, i2, j1, j2: _within(step(i1, i2, j1, j2), budget))
 
+    def solve_carry(self):
+        return _carry_dp(self.model, self.n, self.m)
+
+
+def _carry_dp(model: LaneModel, n: int, m: int):
+    """The DP over carried states (mirrored by csrc/planner.cpp, Problem::solve_carry): a
+    plan's steps run back to back (`simulate.Carry`), so a step's time depends on what is
+    still in flight from the steps before it, not on (i, j) alone. State (i, j) keeps the
+    carry of the best way found to reach it — earliest end of everything issued, then
+    earliest thread time; the candidates scanned as in `_dp`, strict '<' — and each
+    transition simulates one step from it. Greedy per state, so not exact (unlike `_dp`
+    for its barrier sum); `plan` keeps whichever of the two plans ends first. Returns
+    (makespan, steps)."""
+    from dhelix.planner.simulate import Carry
+    best: Dict[Tuple[int, int], Carry] = {(0, 0): Carry()}
+    arg: Dict[Tuple[int, int], Tuple[int, int]] = {}
+    for i2 in range(n + 1):
+        for j2 in range(m + 1):
+            if i2 == 0 and j2 == 0:
+                continue
+            got = None
+            for i1 in range(i2 + 1):
+                for j1 in range(j2 + 1):
+                    if i1 == i2 and j1 == j2:
+                        continue
+                    prev = best[(i1, j1)]
+                    c = Carry(prev.t, list(prev.lane_free), list(prev.comms), prev.end)
+                    model.step(range(i1, i2), range(j1, j2), carry=c)
+                    if got is None or c.end < got.end or (c.end == got.end and c.t < got.t):
+                        got, arg[(i2, j2)] = c, (i1, j1)
+            best[(i2, j2)] = got
+    steps: List[StepIdx] = []
+    i2, j2 = n, m
+    while i2 or j2:
+        i1, j1 = arg[(i2, j2)]
+        steps.append((i1, i2, j1, j2))
+        i2, j2 = i1, j1
+    steps.reverse()
+    return best[(n, m)].end, steps
+
+
+def _run(model: LaneModel, steps) -> float:
+    """The makespan of the steps (i1, i2, j1, j2) run back to back (`LaneModel.run`)."""
+    return model.run([(list(range(i1, i2)), list(range(j1, j2)))
+                      for (i1, i2, j1, j2) in steps])[0]
+
 
 def _within(tp: Tuple[float, float], budget: float) -> float:
     return tp[0] if tp[1] <= budget else INF
@@ -264,6 +310,13 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
         else:
             total, steps = _dp(L, cost)
 
+    if total != INF and problem is not None and step_cost is None and budget == INF:
+        # the executor runs a plan's steps back to back: keep the barrier DP's plan or the
+        # carried DP's, whichever ends first that way (the barrier DP's on a tie)
+        c_total, c_steps = problem.solve_carry()
+        if c_total < _run(model, steps):
+            steps = [tuple(s) for s in c_steps]
+
     if total == INF:
         if budget != INF:
             lowest = _min_peak(L, problem.step)
@@ -287,6 +340,11 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
         else:
             j1 = bpos[s.bwd[0]]
             triv_t = triv_t + idx_cost(L.n, L.n, j1, j1 + len(s.bwd))
+    if problem is not None:
+        # what the executor runs: the steps back to back (the DP's barrier sum bounds it)
+        from dhelix.planner.simulate import plan_indices
+        total = _run(model, steps)
+        triv_t = model.run(plan_indices(model, triv))[0]
     meta = {
         "made_by": "dhelix.planner.dp",
         "backend": "cpp" if use_cpp else "python",

@@ -20,6 +20,7 @@ unless a tracer is given.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -34,6 +35,10 @@ from dhelix.strand.trace import TraceEvent, Tracer  # noqa: F401  (imported from
 # paced compute (`train/emulate.py`): runs each compute op and waits out the emulated
 # op's duration; None (the rule) costs one test per op
 PACE = None
+
+# DHELIX_STEP_BARRIERS=1: a barrier after every step of a layer step, as before steps ran
+# back to back (same values; for measuring what running them back to back gains)
+STEP_BARRIERS = os.environ.get("DHELIX_STEP_BARRIERS", "0") == "1"
 
 States = Union[StrandState, Sequence[StrandState]]
 Segment = Tuple[States, Sequence[Op]]          # a strand's state(s) and its ops in a step
@@ -176,7 +181,7 @@ def run_layer_step(plan: Plan,
         b = (bwd[1], b_ops[k]) if b_ops[k] else None
         if a or b:
             # no barrier between the plan's steps: a comm is waited for by its reader
-            issued += execute_step(a, b, tracer, barrier=False)
+            issued += execute_step(a, b, tracer, barrier=STEP_BARRIERS)
     states = [fwd[1]] if isinstance(fwd[1], StrandState) else list(fwd[1])
     states += [bwd[1]] if isinstance(bwd[1], StrandState) else list(bwd[1])
     _barrier(issued, states, tracer)
@@ -199,5 +204,6 @@ def run_tiles(program: LayerProgram, states: Sequence[StrandState], kind: str,
     issued = []
     for k in range(len(segs) + 1):        # back to back, as a layer step's plan steps
         issued += execute_step((a, segs[k]) if k < len(segs) else None,
-                               (b, segs[k - 1]) if k >= 1 else None, tracer, barrier=False)
+                               (b, segs[k - 1]) if k >= 1 else None, tracer,
+                               barrier=STEP_BARRIERS)
     _barrier(issued, [a, b], tracer)
