@@ -19,6 +19,13 @@ ascending; the candidates of a state are scanned for i ascending, then j ascendi
 a candidate replaces the best only when strictly cheaper.  So among equal-cost plans the
 one whose last step starts earliest (longest segments at the end) wins.
 
+The executor runs a plan's steps back to back (a comm waited for by its reader only), so
+a plan's real time is at most its barrier sum. The carried DP (`_carry_dp`) prices steps
+that way — each state keeps the carried lane state of the best way found to reach it, a
+greedy rule — and `plan` keeps whichever plan, the barrier DP's or the carried DP's, ends
+first run back to back (no memory budget: under one, the barrier DP's); its
+``predicted_s`` is that back-to-back makespan.
+
 Backends: ``"cpp"`` (dhelix._planner_core, built from csrc/planner.cpp), ``"python"``
 (this file, the reference) or ``"auto"`` (C++ when importable).  Both give the same plan.
 """
