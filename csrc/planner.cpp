@@ -50,6 +50,20 @@ struct Legality {
   int n = 0, m = 0;
 };
 
+// The steps from (0, 0) to (n, m), following each state's predecessor in `arg` (an
+// (n+1) x (m+1) grid, row-major).
+std::vector<StepIdx> backtrack(const std::vector<std::pair<int, int>>& arg, int n, int m) {
+  std::vector<StepIdx> steps;
+  int i2 = n, j2 = m;
+  while (i2 || j2) {
+    auto [i1, j1] = arg[static_cast<size_t>(i2) * (m + 1) + j2];
+    steps.push_back({i1, i2, j1, j2});
+    i2 = i1;
+    j2 = j1;
+  }
+  return std::vector<StepIdx>(steps.rbegin(), steps.rend());
+}
+
 // The DP of dp.py:_dp.  `cost(i1, i2, j1, j2)` returns inf for a forbidden transition.
 template <class Cost>
 std::pair<double, std::vector<StepIdx>> run_dp(const Legality& L, Cost&& cost) {
@@ -80,17 +94,8 @@ std::pair<double, std::vector<StepIdx>> run_dp(const Legality& L, Cost&& cost) {
       arg[at(i2, j2)] = {bi, bj};
     }
   }
-  std::vector<StepIdx> steps;
-  if (T[at(n, m)] == INF) return {INF, steps};
-  int i2 = n, j2 = m;
-  while (i2 || j2) {
-    auto [i1, j1] = arg[at(i2, j2)];
-    steps.push_back({i1, i2, j1, j2});
-    i2 = i1;
-    j2 = j1;
-  }
-  std::vector<StepIdx> fwd(steps.rbegin(), steps.rend());
-  return {T[at(n, m)], fwd};
+  if (T[at(n, m)] == INF) return {INF, {}};
+  return {T[at(n, m)], backtrack(arg, n, m)};
 }
 
 py::tuple result(const std::pair<double, std::vector<StepIdx>>& r) {
@@ -332,16 +337,7 @@ class Problem {
         arg[at(i2, j2)] = {bi1, bj1};
       }
     }
-    std::vector<StepIdx> steps;
-    int i2 = n, j2 = m;
-    while (i2 || j2) {
-      auto [i1, j1] = arg[at(i2, j2)];
-      steps.push_back({i1, i2, j1, j2});
-      i2 = i1;
-      j2 = j1;
-    }
-    std::vector<StepIdx> fwd(steps.rbegin(), steps.rend());
-    return result({C[at(n, m)].end, fwd});
+    return result({C[at(n, m)].end, backtrack(arg, n, m)});
   }
 
   int n() const { return n_; }

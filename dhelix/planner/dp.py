@@ -130,14 +130,7 @@ def _carry_dp(model: LaneModel, n: int, m: int):
                     if got is None or c.end < got.end or (c.end == got.end and c.t < got.t):
                         got, arg[(i2, j2)] = c, (i1, j1)
             best[(i2, j2)] = got
-    steps: List[StepIdx] = []
-    i2, j2 = n, m
-    while i2 or j2:
-        i1, j1 = arg[(i2, j2)]
-        steps.append((i1, i2, j1, j2))
-        i2, j2 = i1, j1
-    steps.reverse()
-    return best[(n, m)].end, steps
+    return best[(n, m)].end, _backtrack(lambda i, j: arg[(i, j)], n, m)
 
 
 def _run(model: LaneModel, steps) -> float:
@@ -179,14 +172,19 @@ def _dp(L: _Legality, cost: Callable[[int, int, int, int], float]):
             arg[i2][j2] = (bi, bj)
     if T[n][m] == INF:
         return INF, []
+    return T[n][m], _backtrack(lambda i, j: arg[i][j], n, m)
+
+
+def _backtrack(pred: Callable[[int, int], Tuple[int, int]], n: int, m: int) -> List[StepIdx]:
+    """The steps from (0, 0) to (n, m), following each state's predecessor `pred`."""
     steps: List[StepIdx] = []
     i2, j2 = n, m
     while i2 or j2:
-        i1, j1 = arg[i2][j2]
+        i1, j1 = pred(i2, j2)
         steps.append((i1, i2, j1, j2))
         i2, j2 = i1, j1
     steps.reverse()
-    return T[n][m], steps
+    return steps
 
 
 def _dense_costs(L: _Legality, cost: Callable[[int, int, int, int], float]) -> List[float]:
