@@ -1,0 +1,202 @@
+"""The whole training step (planner/whole_step.py): F(1), the co-steps, B(N) and the
+measured extras, against the lane model; tables with step extras; `dhelix simulate
+--num-microbatches`."""
+import json
+import random
+
+import pytest
+
+from dhelix.planner import enumerate as enumerate_
+from dhelix.planner.costs import CostTable, StepExtras, TableError
+from dhelix.planner.example_layer import random_layer, random_table
+from dhelix.planner.plan import Plan, trivial_plan
+from dhelix.planner.simulate import LaneModel, simulate
+from dhelix.planner.whole_step import (extras_of, plan_makespan, plan_steps_alone, predict,
+                                       simulate_megatron_step, simulate_step)
+from sim_fns import paired, table_for, two_op_layer
+
+
+EXTRAS = StepExtras(pre_fwd_s=0.011, pre_bwd_s=0.013, post_fwd_s=0.017, post_bwd_s=0.019,
+                    optimizer_s=0.23, finalize_s=0.029, num_layers=3, zero_grad_s=0.007)
+
+
+def test_whole_step_arithmetic_on_a_two_op_layer():
+    """compute f (1 s) beside comm b (2 s), launched together 2.5 s: F(1) is L forwards,
+    B(N) L backwards, every co-step L pairs of 2.5 s; the extras once per micro-batch and
+    once per step."""
+    layer = two_op_layer("compute", "intra")
+    table = table_for(layer, 1.0, 2.0, 2.5)
+    plan = paired(layer)
+    mb = 0.011 + 0.013 + 0.017 + 0.019
+    st = 0.23 + 0.029 + 0.007
+    one = simulate_step(layer, plan, table, 3, 1, EXTRAS)        # N = 1: no co-step
+    assert (one.forwards_alone, one.backwards_alone, one.co_steps) == (1, 1, 0)
+    assert one.co_steps_s == 0.0
+    assert one.forward_alone_s == pytest.approx(3 * 1.0)
+    assert one.backward_alone_s == pytest.approx(3 * 2.0)
+    assert one.total_s == pytest.approx(3 * 3.0 + mb + st)
+    four = simulate_step(layer, plan, table, 3, 4, EXTRAS)
+    assert four.co_steps == 3 and four.layer_pair_s == pytest.approx(2.5)
+    assert four.co_steps_s == pytest.approx(3 * 3 * 2.5)
+    assert four.microbatch_extras_s == pytest.approx(4 * mb)
+    assert four.step_extras_s == pytest.approx(st)
+    assert four.total_s == pytest.approx(3 * 3.0 + 3 * 3 * 2.5 + 4 * mb + st)
+    assert sum(v for _, v in four.phases()) == pytest.approx(four.total_s)
+    meg = simulate_megatron_step(layer, table, 3, 4, EXTRAS)
+    assert (meg.forwards_alone, meg.backwards_alone, meg.co_steps) == (4, 4, 0)
+    assert meg.total_s == pytest.approx(4 * 3 * 3.0 + 4 * mb + st)
+    assert sum(v for _, v in meg.phases()) == pytest.approx(meg.total_s)
+    # pairing pays off here (2.5 s for a pair, 3 s apart): DHelix's step is shorter
+    assert four.total_s < meg.total_s
+    assert four.to_json()["total_s"] == four.total_s
+
+
+def test_whole_step_is_the_sum_of_lane_model_steps_on_random_plans():
+    """F(1) and B(N) play their own strand's ops in the plan's order as one step (no
+    barrier without a partner), a co-step the whole plan; with the trivial plan DHelix's
+    step is megatron's order, less what the forward's last comm overlaps of the backward
+    after it (a co-step's steps run back to back)."""
+    rng = random.Random(11)
+    for _ in range(60):
+        layer = random_layer(rng)
+        table = random_table(layer, rng)
+        plan = enumerate_.random_legal_plan(layer, rng)
+        L, N = rng.randint(1, 5), rng.randint(1, 6)
+        model = LaneModel(layer, table)
+        fpos = {n: k for k, n in enumerate(model.f_names)}
+        bpos = {n: k for k, n in enumerate(model.b_names)}
+        f = model.step([fpos[n] for s in plan.steps for n in s.fwd], [])[0]
+        b = model.step([], [bpos[n] for s in plan.steps for n in s.bwd])[0]
+        p = simulate(layer, plan, table).makespan
+        w = simulate_step(layer, plan, table, L, N, EXTRAS)
+        assert w.layer_forward_s == pytest.approx(f) and w.layer_backward_s == pytest.approx(b)
+        assert w.layer_pair_s == pytest.approx(p)
+        assert w.total_s == pytest.approx(L * (f + b) + L * (N - 1) * p +
+                                          N * EXTRAS.per_microbatch() + EXTRAS.per_step())
+        triv = trivial_plan(layer)
+        tf = model.step(list(range(len(layer.forward))), [])[0]
+        tb = model.step([], list(range(len(layer.backward))))[0]
+        meg = simulate_megatron_step(layer, table, L, N, EXTRAS)
+        assert meg.total_s == pytest.approx(N * L * (tf + tb) + N * EXTRAS.per_microbatch()
+                                            + EXTRAS.per_step())
+        tw = simulate_step(layer, triv, table, L, N, EXTRAS).total_s
+        assert tw <= meg.total_s + 1e-9
+        assert tw == pytest.approx(meg.total_s - L * (N - 1) * (
+            tf + tb - simulate(layer, triv, table).makespan))
+        assert plan_steps_alone(model, triv) == pytest.approx((tf, tb))
+        assert plan_makespan(model, plan) == pytest.approx(p)
+
+
+def test_whole_step_alone_cost_is_swappable_and_counts_are_checked():
+    layer = two_op_layer("compute", "intra")
+    table = table_for(layer, 1.0, 2.0, 2.5)
+    w = simulate_step(layer, paired(layer), table, 2, 3, EXTRAS,
+                      alone=lambda model, plan: (0.25, 0.5))
+    assert w.forward_alone_s == pytest.approx(2 * 0.25)
+    assert w.backward_alone_s == pytest.approx(2 * 0.5)
+    assert w.co_steps_s == pytest.approx(2 * 2 * 2.5)      # the co-steps are untouched
+    for L, N in ((0, 2), (2, 0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            simulate_step(layer, paired(layer), table, L, N, EXTRAS)
+
+
+def test_table_round_trip_with_step_extras(tmp_path):
+    layer = two_op_layer("compute", "intra")
+    t = table_for(layer, 1.0, 2.0, 2.5)
+    t.step_extras = EXTRAS
+    path = str(tmp_path / "t.json")
+    t.save(path)
+    back = CostTable.load(path, layer=layer, pairs="concurrent")
+    assert back.step_extras == EXTRAS
+    assert back.signature == t.signature == layer.signature()   # the layer check is as before
+    d = json.load(open(path))
+    assert d["step_extras"]["num_layers"] == 3 and d["step_extras"]["optimizer_s"] == 0.23
+    # the whole step from the loaded table: the extras' layer count by default
+    dh, mg = predict(layer, paired(layer), back, 4, source=path)
+    assert dh.num_layers == mg.num_layers == 3
+    assert dh.total_s == pytest.approx(simulate_step(layer, paired(layer), t, 3, 4,
+                                                     EXTRAS).total_s)
+    assert predict(layer, paired(layer), back, 4, num_layers=7)[0].num_layers == 7
+    # an old table (no field) loads, with no extras, and writes no field back
+    del d["step_extras"]
+    old = str(tmp_path / "old.json")
+    json.dump(d, open(old, "w"))
+    t_old = CostTable.load(old, layer=layer, pairs="concurrent")
+    assert t_old.step_extras is None and "step_extras" not in t_old.to_json()
+    # corrupt extras name the file and the entry
+    for bad, words in (({"pre_fwd_s": 1.0}, "lacks"),
+                       ({**EXTRAS.to_json(), "optimizer_s": -1.0}, r"step_extras\[optimizer_s\]"),
+                       ({**EXTRAS.to_json(), "num_layers": 0}, r"step_extras\[num_layers\]"),
+                       ([1, 2], "must be an object")):
+        d["step_extras"] = bad
+        json.dump(d, open(old, "w"))
+        with pytest.raises(TableError, match=words) as e:
+            CostTable.load(old)
+        assert old in str(e.value)
+
+
+def test_old_table_has_no_step_extras_error():
+    layer = two_op_layer("compute", "intra")
+    t = table_for(layer, 1.0, 2.0, 2.5)
+    with pytest.raises(TableError) as e:
+        extras_of(t, "/some/where/table.json")
+    assert "/some/where/table.json" in str(e.value) and "dhelix profile" in str(e.value)
+    with pytest.raises(TableError, match="dhelix profile"):
+        predict(layer, paired(layer), t, 4, source="t.json")
+
+
+def test_simulate_cli_whole_step(tmp_path, capsys):
+    """`dhelix profile` on 2 ranks writes the step extras; `dhelix simulate PLAN
+    --num-microbatches N` prints the whole step they give; a table without them, or the
+    analytical model, is a one-line error naming the fix."""
+    import subprocess
+    import sys
+
+    from dhelix.base.units import fmt_time
+    from dhelix.cli import main
+    from dhelix.models.config import load_model_config
+    from dhelix.planner.shapes import layer_ops_for_shape
+
+    shape = ["--config", "tiny", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--seq-length", "32", "--micro-batch-size", "2"]
+    table = str(tmp_path / "table.json")
+    r = subprocess.run([sys.executable, "-m", "dhelix.cli", "profile", *shape, "--warmup",
+                        "0", "--repeats", "1", "--out", table, "--nproc", "2", "--timeout",
+                        "400"], capture_output=True, text=True, timeout=430)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "step extras (2 layers" in r.stdout
+    t = CostTable.load(table)
+    x = t.step_extras
+    assert x is not None and x.num_layers == load_model_config("tiny").num_layers == 2
+    assert x.data_parallel_size == 1
+    assert all(getattr(x, k) > 0 for k in StepExtras.SECONDS)
+
+    plan = str(tmp_path / "plan.json")
+    assert main(["plan", *shape, "--table", table, "--out", plan]) == 0
+    capsys.readouterr()
+    assert main(["simulate", plan, "--num-microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    layer = layer_ops_for_shape(load_model_config("tiny"), 2, True, 32, 2)
+    dh, mg = predict(layer, Plan.load(plan), t, 4)
+    assert "whole step: 2 layers, 4 micro-batches" in out
+    assert "3 co-steps" in out and "B(4)" in out and "4 forwards" in out
+    assert f"predicted step: DHelix {fmt_time(dh.total_s)}, megatron {fmt_time(mg.total_s)}" \
+        in out
+    assert f"speedup {mg.total_s / dh.total_s:.3f}x" in out
+
+    # a table from before the extras: one line naming the table and the fix
+    d = json.load(open(table))
+    del d["step_extras"]
+    old = str(tmp_path / "old.json")
+    json.dump(d, open(old, "w"))
+    assert main(["simulate", plan, "--table", old, "--num-microbatches", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dhelix simulate: error:") and err.count("\n") == 1
+    assert old in err and "re-run `dhelix profile`" in err and "Traceback" not in err
+    # without --num-microbatches the old table simulates the layer as before
+    assert main(["simulate", plan, "--table", old]) == 0
+    assert "whole step" not in capsys.readouterr().out
+    # the analytical model has no extras either
+    assert main(["simulate", plan, "--cluster", "a800", "--num-microbatches", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "analytical" in err and "dhelix profile" in err
