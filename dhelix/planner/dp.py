@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from dhelix.planner.costs import CostTable
 from dhelix.planner.opspec import LayerOps, OpSpec
 from dhelix.planner.plan import Plan, PlanError, Step, new_plan, trivial_plan, validate
-from dhelix.planner.simulate import LaneModel
+from dhelix.planner.simulate import LaneModel, plan_indices
 
 try:  # the compiled core is optional
     from dhelix import _planner_core as _core  # type: ignore
@@ -61,9 +61,6 @@ class _Legality:
 
     def __init__(self, layer: LayerOps):
         self.n, self.m = len(layer.forward), len(layer.backward)
-
-    def legal(self, i1, i2, j1, j2) -> bool:
-        return not (i1 == i2 and j1 == j2)
 
 
 # ---- the Python reference DP ---------------------------------------------------------------
@@ -115,21 +112,15 @@ def _carry_dp(model: LaneModel, n: int, m: int):
     from dhelix.planner.simulate import Carry
     best: Dict[Tuple[int, int], Carry] = {(0, 0): Carry()}
     arg: Dict[Tuple[int, int], Tuple[int, int]] = {}
-    for i2 in range(n + 1):
-        for j2 in range(m + 1):
-            if i2 == 0 and j2 == 0:
-                continue
-            got = None
-            for i1 in range(i2 + 1):
-                for j1 in range(j2 + 1):
-                    if i1 == i2 and j1 == j2:
-                        continue
-                    prev = best[(i1, j1)]
-                    c = Carry(prev.t, list(prev.lane_free), list(prev.comms), prev.end)
-                    model.step(range(i1, i2), range(j1, j2), carry=c)
-                    if got is None or c.end < got.end or (c.end == got.end and c.t < got.t):
-                        got, arg[(i2, j2)] = c, (i1, j1)
-            best[(i2, j2)] = got
+    for i2, j2, preds in _states(n, m):
+        got = None
+        for i1, j1 in preds:
+            prev = best[(i1, j1)]
+            c = Carry(prev.t, list(prev.lane_free), list(prev.comms), prev.end)
+            model.step(range(i1, i2), range(j1, j2), carry=c)
+            if got is None or c.end < got.end or (c.end == got.end and c.t < got.t):
+                got, arg[(i2, j2)] = c, (i1, j1)
+        best[(i2, j2)] = got
     return best[(n, m)].end, _backtrack(lambda i, j: arg[(i, j)], n, m)
 
 
@@ -143,6 +134,17 @@ def _within(tp: Tuple[float, float], budget: float) -> float:
     return tp[0] if tp[1] <= budget else INF
 
 
+def _states(n: int, m: int):
+    """The DPs' order (shared with csrc/planner.cpp, so ties break alike): each state
+    (i2, j2) but (0, 0), i2 then j2 ascending, with its predecessors (i1, j1), i1 then j1
+    ascending."""
+    for i2 in range(n + 1):
+        for j2 in range(m + 1):
+            if i2 or j2:
+                yield i2, j2, [(i1, j1) for i1 in range(i2 + 1) for j1 in range(j2 + 1)
+                               if i1 != i2 or j1 != j2]
+
+
 def _dp(L: _Legality, cost: Callable[[int, int, int, int], float]):
     """The DP; returns (total, [(i, i', j, j'), ...]) or (inf, []) when (n, m) is out of
     reach.  `cost` returns inf for a transition that is not allowed."""
@@ -150,26 +152,18 @@ def _dp(L: _Legality, cost: Callable[[int, int, int, int], float]):
     T = [[INF] * (m + 1) for _ in range(n + 1)]
     arg = [[(-1, -1)] * (m + 1) for _ in range(n + 1)]
     T[0][0] = 0.0
-    for i2 in range(n + 1):
-        Ti2 = T[i2]
-        for j2 in range(m + 1):
-            if i2 == 0 and j2 == 0:
+    for i2, j2, preds in _states(n, m):
+        best = INF
+        bi = bj = -1
+        for i1, j1 in preds:
+            prev = T[i1][j1]
+            if prev == INF:
                 continue
-            best = INF
-            bi = bj = -1
-            for i1 in range(i2 + 1):
-                Ti1 = T[i1]
-                for j1 in range(j2 + 1):
-                    if i1 == i2 and j1 == j2:
-                        continue
-                    prev = Ti1[j1]
-                    if prev == INF:
-                        continue
-                    v = prev + cost(i1, i2, j1, j2)
-                    if v < best:
-                        best, bi, bj = v, i1, j1
-            Ti2[j2] = best
-            arg[i2][j2] = (bi, bj)
+            v = prev + cost(i1, i2, j1, j2)
+            if v < best:
+                best, bi, bj = v, i1, j1
+        T[i2][j2] = best
+        arg[i2][j2] = (bi, bj)
     if T[n][m] == INF:
         return INF, []
     return T[n][m], _backtrack(lambda i, j: arg[i][j], n, m)
@@ -214,19 +208,13 @@ def _min_peak(L: _Legality, step) -> float:
     n, m = L.n, L.m
     M = [[INF] * (m + 1) for _ in range(n + 1)]
     M[0][0] = -INF
-    for i2 in range(n + 1):
-        for j2 in range(m + 1):
-            if i2 == 0 and j2 == 0:
-                continue
-            best = INF
-            for i1 in range(i2 + 1):
-                for j1 in range(j2 + 1):
-                    if not L.legal(i1, i2, j1, j2):
-                        continue
-                    v = max(M[i1][j1], step(i1, i2, j1, j2)[1])
-                    if v < best:
-                        best = v
-            M[i2][j2] = best
+    for i2, j2, preds in _states(n, m):
+        best = INF
+        for i1, j1 in preds:
+            v = max(M[i1][j1], step(i1, i2, j1, j2)[1])
+            if v < best:
+                best = v
+        M[i2][j2] = best
     return M[n][m]
 
 
@@ -347,7 +335,6 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
             triv_t = triv_t + idx_cost(L.n, L.n, j1, j1 + len(s.bwd))
     if problem is not None:
         # what the executor runs: the steps back to back (the DP's barrier sum bounds it)
-        from dhelix.planner.simulate import plan_indices
         total = _run(model, steps)
         triv_t = model.run(plan_indices(model, triv))[0]
     meta = {
