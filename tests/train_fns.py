@@ -112,7 +112,8 @@ def train_random_plans(plan_dir, seeds, **kw):
     random legal plan per seed, then megatron's schedule once more — each a whole run from
     the same seed and data (`train` re-initialises megatron's parallel state and seeds).
 
-    Each plan is `random_legal_plan(ops, random.Random(seed))` on the ops of the layer
+    Each plan is `random_legal_plan(ops, random.Random(seed))` (odd seeds: rotated by a
+    random r) on the ops of the layer
     these runs train (`kw`'s config, TP, SP, seq length and micro-batch size), written by
     rank 0 to `plan_dir/seed{seed}.json` and passed as `--dhelix-plan`. The digest of the
     plan each run's layers were actually given (`PlanBook.for_layer`) is recorded.
@@ -137,30 +138,40 @@ def train_random_plans(plan_dir, seeds, **kw):
     ops = dh.program.layer_ops(cfg.seq_length, cfg.micro_batch_size)
     del dh
 
-    used = []
-    orig_for_layer = PlanBook.for_layer
+    import dhelix.strand.executor as ex
+    used, rotated = [], []
+    orig_for_layer, orig_rotated = PlanBook.for_layer, ex._run_rotated
 
     def for_layer(self, layer):
         plan = orig_for_layer(self, layer)
         used.append(plan.digest())
         return plan
 
+    def run_rotated(*a, **k):           # a layer step across two β nodes
+        rotated.append(1)
+        return orig_rotated(*a, **k)
+
     out = {"baseline": train(TrainConfig(**kw)), "plans": []}
-    PlanBook.for_layer = for_layer
+    PlanBook.for_layer, ex._run_rotated = for_layer, run_rotated
     try:
         for seed in seeds:
-            plan = random_legal_plan(ops, random.Random(seed))
+            rng = random.Random(seed)
+            # odd seeds: β's chain rotated (`Plan.rotation`), by a random r
+            rot = rng.randrange(1, len(ops.backward)) if seed % 2 else 0
+            plan = random_legal_plan(ops, rng, rotation=rot)
             path = os.path.join(plan_dir, f"seed{seed}.json")
             if dist.get_rank() == 0:
                 plan.save(path)
             dist.barrier()
             used.clear()
+            rotated.clear()
             res = train(TrainConfig(**kw, dhelix={"enabled": True, "plan": path}))
             out["plans"].append({"seed": seed, "digest": plan.digest(),
+                                 "rotation": plan.rotation, "rotated_steps": len(rotated),
                                  "paired": plan.num_paired(), "steps": len(plan.steps),
                                  "used": sorted(set(used)), "result": res})
     finally:
-        PlanBook.for_layer = orig_for_layer
+        PlanBook.for_layer, ex._run_rotated = orig_for_layer, orig_rotated
     out["baseline_again"] = train(TrainConfig(**kw))
     return out
 

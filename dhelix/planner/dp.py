@@ -36,7 +36,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from dhelix.planner.costs import CostTable
 from dhelix.planner.opspec import LayerOps, OpSpec
-from dhelix.planner.plan import Plan, PlanError, Step, new_plan, trivial_plan, validate
+from dhelix.planner.plan import (Plan, PlanError, Step, new_plan, rotated_backward,
+                                 trivial_plan, validate)
 from dhelix.planner.simulate import LaneModel, plan_indices
 
 try:  # the compiled core is optional
@@ -250,7 +251,8 @@ def plan_cost(plan: Plan, layer: LayerOps, step_cost: StepCost) -> float:
 def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
          step_cost: Optional[StepCost] = None, memory_budget_bytes: Optional[float] = None,
          base_bytes: Optional[float] = None, backend: str = "auto",
-         force: bool = False) -> Plan:
+         force: bool = False, rotate: bool = False,
+         num_layers: Optional[int] = None) -> Plan:
     """The cheapest legal plan for ``layer`` (backward as a chain, wgrad after its dgrad).
 
     Costs: ``step_cost(fwd_ops, bwd_ops)`` if given, else the simulated step time from
@@ -258,7 +260,47 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
     only steps whose simulated peak stays within the budget are used; if no plan fits,
     PlanError says by how much the lowest-peak plan exceeds the budget.
     ``backend``: "auto" | "cpp" | "python".
+
+    ``rotate``: also plan β's chain rotated by each r (`Plan.rotation`) and keep the plan
+    whose co-step of ``num_layers`` layer pairs ends first (`whole_step.co_step_layers`:
+    the rotated pairs, the last α layer beside the last tail, the first head alone);
+    the layer count defaults to the table's step extras', else 1. Only without a budget
+    or a step-cost function: the rotated chains are priced by the table.
     """
+    p = _plan_at(layer, table, step_cost, memory_budget_bytes, base_bytes, backend, force, 0)
+    if not rotate or table is None or step_cost is not None or \
+            memory_budget_bytes is not None or len(layer.backward) < 2:
+        return p
+    from dhelix.planner.whole_step import co_step_layers
+    t_start = time.perf_counter() - p.meta["planning_time_s"]
+    L = num_layers or (table.step_extras.num_layers if table.step_extras else 1)
+    L = max(int(L), 1)
+
+    def co_step(q: Plan) -> float:
+        model = LaneModel(layer, table, base_bytes=base_bytes, force=force,
+                          rotation=q.rotation)
+        return co_step_layers(model, q, L)
+    best, best_t = p, co_step(p)
+    for r in range(1, len(layer.backward)):
+        q = _plan_at(layer, table, None, None, base_bytes, backend, force, r)
+        t = co_step(q)
+        if t < best_t:
+            best, best_t = q, t
+    meta = best.meta
+    meta["unrotated_predicted_s"] = p.meta["predicted_s"]
+    meta["co_step_layers"] = L
+    meta["co_step_predicted_s"] = best_t
+    meta["trivial_predicted_s"] = p.meta["trivial_predicted_s"]
+    meta["speedup_vs_trivial"] = p.meta["trivial_predicted_s"] / meta["predicted_s"] \
+        if meta["predicted_s"] > 0 else 1.0
+    meta["planning_time_s"] = time.perf_counter() - t_start
+    return best
+
+
+def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[StepCost],
+             memory_budget_bytes: Optional[float], base_bytes: Optional[float],
+             backend: str, force: bool, rotation: int) -> Plan:
+    """`plan` for one rotation of β's chain."""
     if backend not in ("auto", "cpp", "python"):
         raise ValueError(f"backend must be 'auto', 'cpp' or 'python', not {backend!r}")
     if backend == "cpp" and _core is None:
@@ -272,12 +314,13 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
                         "model runs on it)")
     t_start = time.perf_counter()
     L = _Legality(layer)
-    F, B = list(layer.forward), list(layer.backward)
+    F, B = list(layer.forward), rotated_backward(layer.backward, rotation)
     budget = INF if memory_budget_bytes is None else float(memory_budget_bytes)
 
     problem = None
     if table is not None:
-        model = LaneModel(layer, table, base_bytes=base_bytes, force=force)
+        model = LaneModel(layer, table, base_bytes=base_bytes, force=force,
+                          rotation=rotation)
         problem = _cpp_problem(model, L) if use_cpp else _PyProblem(model, L)
 
     if step_cost is None:
@@ -321,12 +364,13 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
 
     out_steps = [Step([o.name for o in F[i1:i2]], [o.name for o in B[j1:j2]])
                  for (i1, i2, j1, j2) in steps]
-    # predicted time of the trivial plan, with the same costs
+    # predicted time of the trivial plan, with the same costs (unrotated: `plan` takes
+    # them from the unrotated plan)
     triv = trivial_plan(layer)
     fpos = {o.name: k for k, o in enumerate(F)}
     bpos = {o.name: k for k, o in enumerate(B)}
-    triv_t = 0.0
-    for s in triv.steps:
+    triv_t = 0.0 if not rotation else INF
+    for s in (triv.steps if not rotation else []):
         if s.fwd:
             i1 = fpos[s.fwd[0]]
             triv_t = triv_t + idx_cost(i1, i1 + len(s.fwd), 0, 0)
@@ -336,7 +380,7 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
     if problem is not None:
         # what the executor runs: the steps back to back (the DP's barrier sum bounds it)
         total = _run(model, steps)
-        triv_t = model.run(plan_indices(model, triv))[0]
+        triv_t = model.run(plan_indices(model, triv))[0] if not rotation else INF
     meta = {
         "made_by": "dhelix.planner.dp",
         "backend": "cpp" if use_cpp else "python",
@@ -356,7 +400,7 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
         meta["table_provenance"] = dict(table.provenance)
     if memory_budget_bytes is not None:
         meta["memory_budget_bytes"] = float(memory_budget_bytes)
-    p = new_plan(layer, out_steps, meta)
+    p = new_plan(layer, out_steps, meta, rotation)
     validate(p, layer)
     return p
 

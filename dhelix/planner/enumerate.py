@@ -6,7 +6,7 @@ import random
 from typing import Callable, Dict, List, Optional, Tuple
 
 from dhelix.planner.opspec import LayerOps, OpSpec
-from dhelix.planner.plan import Plan, PlanError, Step, new_plan, validate
+from dhelix.planner.plan import Plan, PlanError, Step, new_plan, rotated_backward, validate
 INF = float("inf")
 StepCost = Callable[[List[OpSpec], List[OpSpec]], float]
 StepIdx = Tuple[int, int, int, int]      # (i, i', j, j'): F[i:i'] with B[j:j']
@@ -90,9 +90,10 @@ def _as_random(rng) -> random.Random:
     raise TypeError(f"rng must be an int seed, random.Random or numpy Generator, not {type(rng)}")
 
 
-def _repair_order(B: List[OpSpec]) -> List[OpSpec]:
+def _repair_order(B: List[OpSpec], done_before=frozenset()) -> List[OpSpec]:
     """Keep the order of B, but hold back each floating op until the op it must follow
-    (its `after`, which may itself be a floating op that moved) has been placed."""
+    (its `after`, which may itself be a floating op that moved) has been placed; an op
+    in `done_before` follows one of a layer step before (a rotated chain)."""
     out: List[OpSpec] = []
     placed = set()
     waiting: Dict[str, List[OpSpec]] = {}
@@ -104,7 +105,8 @@ def _repair_order(B: List[OpSpec]) -> List[OpSpec]:
             emit(d)
 
     for o in B:
-        if o.wgrad and o.after is not None and o.after not in placed:
+        if o.wgrad and o.after is not None and o.after not in placed and \
+                o.name not in done_before:
             waiting.setdefault(o.after, []).append(o)
         else:
             emit(o)
@@ -112,21 +114,29 @@ def _repair_order(B: List[OpSpec]) -> List[OpSpec]:
 
 
 def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
-                      pair_prob: float = 0.6) -> Plan:
+                      pair_prob: float = 0.6, rotation: int = 0) -> Plan:
     """A random legal plan: random segment cuts, random pairing, and (with probability
-    ``defer_prob``) some wgrad ops moved later than right after their dgrad."""
+    ``defer_prob``) some wgrad ops moved later than right after their dgrad. With
+    ``rotation`` r, a plan of β's chain rotated by r (`Plan.rotation`): a wgrad moves
+    within its node's part only."""
     r = _as_random(rng)
     F = list(layer.forward)
-    B = list(layer.backward)
+    head = {o.name for o in layer.backward[:rotation]}
+    B = rotated_backward(layer.backward, rotation)
     if r.random() < defer_prob:
-        for w in [o for o in layer.backward if o.wgrad and o.after is not None]:
+        for w in [o for o in B if o.wgrad and o.after is not None]:
             if r.random() < 0.5:
                 continue
             B.remove(w)
-            pos = next(k for k, o in enumerate(B) if o.name == w.after)
+            part = [k for k, o in enumerate(B) if (o.name in head) == (w.name in head)]
+            end = part[-1] + 1 if part else len(B)
+            pos = next((k for k, o in enumerate(B) if o.name == w.after), -1)
+            if (w.after in head) != (w.name in head):
+                pos = (part[0] if part else 0) - 1      # its dgrad ran a layer step before
             # pos + 1 is its place right after the dgrad: go strictly later when possible
-            B.insert(r.randint(pos + 2, len(B)) if pos + 2 <= len(B) else pos + 1, w)
-        B = _repair_order(B)
+            B.insert(r.randint(pos + 2, end) if pos + 2 <= end else pos + 1, w)
+        B = _repair_order(B, {o.name for o in B if o.after is not None
+                              and (o.after in head) != (o.name in head)})
     n, m = len(F), len(B)
 
     steps: List[Step] = []
@@ -149,6 +159,6 @@ def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
         steps.append(Step([o.name for o in fseg], [o.name for o in bseg]))
         i += len(fseg)
         j += len(bseg)
-    p = new_plan(layer, steps, {"made_by": "dhelix.planner.dp.random"})
+    p = new_plan(layer, steps, {"made_by": "dhelix.planner.dp.random"}, rotation)
     validate(p, layer)
     return p

@@ -5,6 +5,12 @@ of strand β; every op of both chains appears exactly once, in chain order (weig
 ops anywhere after their dgrad). A step may hold several comm ops of one process group:
 the executor issues a step's ops in one deterministic order (the same on every rank, as
 the plan is), the lane runs them first-in first-out, and each is waited for by its reader.
+
+A plan with `rotation` r > 0 pairs α's layer with β's chain rotated by r: the last ops of
+one backward node (from its op r on) and then the first r ops of the node below it. The
+layer-step boundary then falls inside β's chain instead of at both strands' ends at once,
+where both strands drain (`schedules/dhelix.py` walks β that way). Its steps name the ops
+of the rotated chain (`rotated_backward`), in that order.
 """
 from __future__ import annotations
 
@@ -39,12 +45,16 @@ class Plan:
     backward: List[str]            # backward chain op names
     steps: List[Step]
     meta: Dict = field(default_factory=dict)   # who made it, predicted times, ...
+    rotation: int = 0              # β's chain starts at its op `rotation` (module doc)
 
     # ---- serialisation -------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"format": PLAN_FORMAT, "version": PLAN_VERSION, "signature": self.signature,
-                "forward": self.forward, "backward": self.backward,
-                "steps": [s.to_json() for s in self.steps], "meta": self.meta}
+        d = {"format": PLAN_FORMAT, "version": PLAN_VERSION, "signature": self.signature,
+             "forward": self.forward, "backward": self.backward}
+        if self.rotation:       # absent when 0: the files of before read the same
+            d["rotation"] = self.rotation
+        d.update(steps=[s.to_json() for s in self.steps], meta=self.meta)
+        return d
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -66,8 +76,14 @@ class Plan:
             if not isinstance(s, dict) or set(s) - {"fwd", "bwd"}:
                 raise PlanError(f"{source}: step {k}: a step is {{'fwd': [...], 'bwd': [...]}}")
             steps.append(Step(list(s.get("fwd", [])), list(s.get("bwd", []))))
+        r = d.get("rotation", 0)
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < max(
+                len(d["backward"]), 1):
+            raise PlanError(f"{source}: field 'rotation' must be an integer from 0 to "
+                            f"{len(d['backward']) - 1} (the backward op β's chain starts at), "
+                            f"not {r!r}; re-create the plan with `dhelix plan`")
         return Plan(d["signature"], list(d["forward"]), list(d["backward"]), steps,
-                    d.get("meta", {}))
+                    d.get("meta", {}), r)
 
     @staticmethod
     def load(path: str) -> "Plan":
@@ -82,8 +98,10 @@ class Plan:
 
     def digest(self) -> str:
         """Hash used to check that every rank holds the same plan."""
-        payload = json.dumps({"sig": self.signature, "steps": [s.to_json() for s in self.steps]},
-                             sort_keys=True)
+        payload = {"sig": self.signature, "steps": [s.to_json() for s in self.steps]}
+        if self.rotation:
+            payload["rotation"] = self.rotation
+        payload = json.dumps(payload, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
     def num_paired(self) -> int:
@@ -92,6 +110,10 @@ class Plan:
     def table(self) -> str:
         """The plan as a readable table, one row per step."""
         rows = [f"{'step':>4}  {'forward (α)':<40} {'backward (β)':<40}"]
+        if self.rotation:
+            rows.insert(0, f"β's chain rotated by {self.rotation}: from "
+                           f"'{self.backward[self.rotation]}' of one layer to "
+                           f"'{self.backward[self.rotation - 1]}' of the layer below")
         for k, s in enumerate(self.steps):
             rows.append(f"{k:>4}  {' '.join(s.fwd) or '-':<40} {' '.join(s.bwd) or '-':<40}")
         return "\n".join(rows)
@@ -110,10 +132,15 @@ def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
             f"{source}: rule 'layer-shape': the plan was made for another layer: {what}; "
             f"re-run `dhelix plan` with this run's --config, --tensor-model-parallel-size, "
             f"--sequence-parallel, --seq-length, --micro-batch-size and --bf16")
+    r = plan.rotation
+    if not 0 <= r < max(len(layer.backward), 1):
+        raise PlanError(f"{source}: rule 'rotation': {r} is not a backward op's index "
+                        f"(0..{len(layer.backward) - 1})")
+    node_index = {o.name: i for i, o in enumerate(layer.backward)}
     fwd_spec = {o.name: o for o in layer.forward}
     bwd_spec = {o.name: o for o in layer.backward}
     fwd_order = {o.name: i for i, o in enumerate(layer.forward)}
-    bwd_chain = [o.name for o in layer.backward if not o.wgrad]
+    bwd_chain = [o.name for o in rotated_backward(layer.backward, r) if not o.wgrad]
     bwd_order = {n: i for i, n in enumerate(bwd_chain)}
     seen_f: Dict[str, int] = {}
     seen_b: Dict[str, int] = {}
@@ -131,6 +158,12 @@ def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
                     raise PlanError(f"{source}: step {k}: rule 'each-op-once': {strand} op "
                                     f"'{name}' repeated (first in step {seen[name]})")
                 seen[name] = k
+                if strand == "bwd" and r and node_index[name] >= r and \
+                        any(node_index[n] < r for n in seen_b):
+                    raise PlanError(f"{source}: step {k}: rule 'rotation-order': '{name}' of "
+                                    f"the layer above comes after an op of the layer below "
+                                    f"(rotation {r}: every op from '{layer.backward[r].name}' "
+                                    f"on runs before '{layer.backward[0].name}')")
                 if strand == "fwd":
                     if fwd_order[name] != next_f:
                         want = layer.forward[next_f].name if next_f < len(layer.forward) else "-"
@@ -138,7 +171,10 @@ def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
                                         f"'{name}' comes before '{want}'")
                     next_f += 1
                 elif op.wgrad:
-                    if op.after not in seen_b:
+                    # rotated: a wgrad of the node above whose dgrad ran in the layer
+                    # step before (the dgrad among the first r ops, the wgrad not)
+                    done_before = node_index[op.after] < r <= node_index[name]
+                    if op.after not in seen_b and not done_before:
                         raise PlanError(f"{source}: step {k}: rule 'wgrad-after-dgrad': '{name}'"
                                         f" runs before its dgrad '{op.after}'")
                 else:
@@ -151,6 +187,22 @@ def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
     if missing:
         raise PlanError(f"{source}: rule 'each-op-once': ops missing from the plan: "
                         f"{', '.join(missing)}")
+
+
+def rotated_backward(chain: List, r: int) -> List:
+    """β's chain of a layer step rotated by r: the ops from r on of one node, then its
+    first r ops (those of the node below)."""
+    return list(chain[r:]) + list(chain[:r]) if r else list(chain)
+
+
+def node_order(plan: Plan) -> List[str]:
+    """The plan's backward op names in one node's own order (a strand with no partner
+    runs them so): with a rotation, the plan's first r chain ops before the rest."""
+    names = [n for s in plan.steps for n in s.bwd]
+    if not plan.rotation:
+        return names
+    head = set(plan.backward[:plan.rotation])
+    return [n for n in names if n in head] + [n for n in names if n not in head]
 
 
 # ---- built-in plans ----------------------------------------------------------------------
@@ -209,13 +261,13 @@ def shape_difference(planned, current) -> str:
     return "; ".join(out)
 
 
-def new_plan(layer: LayerOps, steps: List[Step], meta: Dict) -> Plan:
+def new_plan(layer: LayerOps, steps: List[Step], meta: Dict, rotation: int = 0) -> Plan:
     """A plan for `layer`, carrying the layer's shape (so a mismatch can name the field)."""
     meta = dict(meta)
     if getattr(layer, "shape", None):
         meta.setdefault("shape", dict(layer.shape))
     return Plan(layer.signature(), [o.name for o in layer.forward],
-                [o.name for o in layer.backward], steps, meta)
+                [o.name for o in layer.backward], steps, meta, rotation)
 
 
 def _plan(layer: LayerOps, steps: List[Step], made_by: str) -> Plan:

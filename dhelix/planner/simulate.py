@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from dhelix.planner.costs import CostTable, TableError, concurrent
 from dhelix.planner.opspec import LANES, LayerOps
-from dhelix.planner.plan import Plan, validate
+from dhelix.planner.plan import Plan, rotated_backward, validate
 
 ALPHA, BETA = "alpha", "beta"
 LANE_ID = {name: k for k, name in enumerate(LANES)}
@@ -92,36 +92,39 @@ class LaneModel:
                  force: bool = False, source: str = "<table>",
                  readers: Optional[List[int]] = None,
                  lifetimes: Optional[List[Tuple[float, int]]] = None,
-                 overlap_slowdown: float = 1.0):
+                 overlap_slowdown: float = 1.0, rotation: int = 0):
         """`readers` and `lifetimes` describe a program that is not a layer's chains (a
         scheduled graph, `helix/`): which op reads each comm op's result, and for each op
         the bytes of its output and the op after whose end they are freed (-1: never).
         A layer's chains derive the first from their order and count memory by each op's
         saved and temporary bytes instead. `overlap_slowdown` stretches such a program's
         compute op that starts while one of its own collectives is in flight (a layer's
-        chains take theirs from the table's pairs, one strand against the other)."""
+        chains take theirs from the table's pairs, one strand against the other).
+        `rotation` r: β's chain is the layer's backward rotated by r (`plan.Plan.rotation`);
+        indices into the backward then count in that order."""
         table.check(layer, source=source, pairs="concurrent", force=force)
         self.layer = layer
-        for o in list(layer.forward) + list(layer.backward):
+        self.rotation = rotation
+        bwd = rotated_backward(layer.backward, rotation)
+        for o in list(layer.forward) + bwd:
             if o.lane not in LANE_ID:
                 raise ValueError(f"op '{o.name}': lane '{o.lane}' is not one of {LANES}")
         self.f_names = [o.name for o in layer.forward]
-        self.b_names = [o.name for o in layer.backward]
+        self.b_names = [o.name for o in bwd]
         self.f_lane = [LANE_ID[o.lane] for o in layer.forward]
-        self.b_lane = [LANE_ID[o.lane] for o in layer.backward]
+        self.b_lane = [LANE_ID[o.lane] for o in bwd]
         # an op's duration: measured inside a layer step where the table has it
         self.f_T = [float(table.in_step_f.get(o.name, table.alone_f[o.name]))
                     for o in layer.forward]
-        self.b_T = [float(table.in_step_b.get(o.name, table.alone_b[o.name]))
-                    for o in layer.backward]
+        self.b_T = [float(table.in_step_b.get(o.name, table.alone_b[o.name])) for o in bwd]
         self.f_saved = [float(o.saved_bytes) for o in layer.forward]
-        self.b_saved = [float(o.saved_bytes) for o in layer.backward]
+        self.b_saved = [float(o.saved_bytes) for o in bwd]
         self.f_temp = [float(o.temp_bytes) for o in layer.forward]
-        self.b_temp = [float(o.temp_bytes) for o in layer.backward]
-        self.S = [[compute_slowdown(f, b, table) for b in layer.backward]
+        self.b_temp = [float(o.temp_bytes) for o in bwd]
+        self.S = [[compute_slowdown(f, b, table) for b in bwd]
                    for f in layer.forward]
         self.f_reader = list(readers) if readers is not None else comm_readers(layer.forward)
-        self.b_reader = comm_readers(layer.backward)
+        self.b_reader = comm_readers(bwd)
         self.f_life = lifetimes
         self.self_S = float(overlap_slowdown)
         if base_bytes is None:
@@ -288,7 +291,8 @@ def comm_readers(chain) -> List[int]:
         if o.lane == "compute":
             continue
         if o.wgrad:
-            out[c] = next((k for k, r in enumerate(chain) if r.after == o.name), -1)
+            out[c] = next((k for k in range(c + 1, len(chain)) if chain[k].after == o.name),
+                          -1)
         else:
             start = c + 1
             if o.group == "cp" and start < len(chain) and chain[start].name.startswith(
@@ -303,14 +307,16 @@ def simulate(layer: LayerOps, plan: Plan, table: Optional[CostTable] = None, *,
              dtype: str = "bf16", base_bytes: Optional[float] = None,
              force: bool = False) -> SimResult:
     """Play ``plan`` for ``layer``; costs from ``table``, or from the analytical model of
-    ``cluster`` (with ``group_sizes``) when no table is given."""
+    ``cluster`` (with ``group_sizes``) when no table is given. A rotated plan plays one
+    layer step of the co-step's steady state (β's rotated chain)."""
     validate(plan, layer)
     if table is None:
         if cluster is None:
             raise TableError("simulate: give a cost table or a cluster description")
         from dhelix.planner.costmodel import analytical_table
         table = analytical_table(layer, cluster, group_sizes or {}, dtype=dtype)
-    model = LaneModel(layer, table, base_bytes=base_bytes, force=force)
+    model = LaneModel(layer, table, base_bytes=base_bytes, force=force,
+                      rotation=plan.rotation)
     events: List[Event] = []
     starts: List[float] = []
     span, peak, _ = model.run(plan_indices(model, plan), mem0=model.base, events=events,

@@ -9,7 +9,9 @@ DHelix's schedule with N micro-batches and L layers is (`schedules/dhelix.py`)
   its ops in the plan's order (no barrier between them), so one layer costs
   `LaneModel.step(all forward ops, [])`.
 * each co-executed step: α's layer i beside β's layer L−i+1 by the plan, so L times the
-  plan's makespan (every plan step, both strands).
+  plan's makespan (every plan step, both strands). A rotated plan (`Plan.rotation`):
+  L−1 rotated pairs, the last α layer beside the rest of β's last node, and β's first
+  node's first ops alone (`co_step_layers`); `layer_pair_s` is that over L.
 * B(N): β's L layers alone, one step of the backward ops in the plan's order.
 * around the layers, every micro-batch once: the pre-process (embedding) forward and
   backward and the post-process (final norm, output layer, loss) forward and backward;
@@ -35,7 +37,7 @@ from typing import Callable, List, Optional, Tuple
 
 from dhelix.planner.costs import CostTable, StepExtras, TableError
 from dhelix.planner.opspec import LayerOps
-from dhelix.planner.plan import Plan, trivial_plan, validate
+from dhelix.planner.plan import Plan, node_order, trivial_plan, validate
 from dhelix.planner.simulate import LaneModel
 
 # (lane model, plan) -> (one layer's forward with no partner, its backward with none)
@@ -45,11 +47,12 @@ AloneCost = Callable[[LaneModel, Plan], Tuple[float, float]]
 def plan_steps_alone(model: LaneModel, plan: Plan) -> Tuple[float, float]:
     """What the executor does for a layer with no partner (`run_layer_step` with one
     strand): the strand's ops in the plan's order as ONE step — no barrier between them,
-    each comm waited for by its reader."""
+    each comm waited for by its reader. `model` is unrotated; a rotated plan's backward
+    runs in the node's own order (`plan.node_order`)."""
     fpos = {n: k for k, n in enumerate(model.f_names)}
     bpos = {n: k for k, n in enumerate(model.b_names)}
     f = model.step([fpos[n] for st in plan.steps for n in st.fwd], [])[0]
-    b = model.step([], [bpos[n] for st in plan.steps for n in st.bwd])[0]
+    b = model.step([], [bpos[n] for n in node_order(plan)])[0]
     return f, b
 
 
@@ -58,6 +61,23 @@ def plan_makespan(model: LaneModel, plan: Plan) -> float:
     reader only (the same number `simulate(layer, plan, table).makespan` gives)."""
     from dhelix.planner.simulate import plan_indices
     return model.run(plan_indices(model, plan))[0]
+
+
+def co_step_layers(model: LaneModel, plan: Plan, num_layers: int) -> float:
+    """The layers of one co-step, L pairs (`schedules/dhelix.py`); `model` has the plan's
+    rotation. Unrotated: L plan makespans. Rotated by r: β's first node's first r ops
+    alone (one step in the plan's order), L−1 rotated pairs, and α's last layer beside the
+    rest of β's last node (the plan's steps without the first r ops)."""
+    from dhelix.planner.simulate import plan_indices
+    idx = plan_indices(model, plan)
+    pair = model.run(idx)[0]
+    if not plan.rotation:
+        return num_layers * pair
+    tail = len(model.b_names) - plan.rotation      # rotated positions < tail: the node above
+    head = model.step([], [k for _, b in idx for k in b if k >= tail])[0]
+    last = [(f, [k for k in b if k < tail]) for f, b in idx]
+    last = model.run([(f, b) for f, b in last if f or b])[0]
+    return head + (num_layers - 1) * pair + last
 
 
 @dataclass
@@ -130,7 +150,9 @@ def simulate_step(layer: LayerOps, plan: Plan, table: CostTable, num_layers: int
     validate(plan, layer)
     model = LaneModel(layer, table, force=force)
     f, b = alone(model, plan)
-    p = plan_makespan(model, plan)
+    rotated = LaneModel(layer, table, force=force, rotation=plan.rotation) \
+        if plan.rotation else model
+    p = co_step_layers(rotated, plan, num_layers) / num_layers
     N = num_microbatches
     return _assemble("dhelix", num_layers, N, 1, 1, N - 1, f, b, p, extras)
 
@@ -169,5 +191,6 @@ def predict(layer: LayerOps, plan: Plan, table: CostTable, num_microbatches: int
             simulate_megatron_step(layer, table, L, num_microbatches, extras, force=force))
 
 
-__all__ = ["AloneCost", "WholeStep", "extras_of", "plan_makespan", "plan_steps_alone",
+__all__ = ["AloneCost", "WholeStep", "co_step_layers", "extras_of", "plan_makespan",
+           "plan_steps_alone",
            "predict", "simulate_megatron_step", "simulate_step"]

@@ -14,6 +14,11 @@ then runs on every tile in turn. The executor does not care which way a strand r
 α's forward with β's backward (`run_layer_step`), or the two batch halves of one node
 round-robin (`run_tiles`, the intra-batch peer and DHelix's steps without a partner).
 
+A rotated plan (`Plan.rotation` r > 0) pairs α's layer with the ops of β's node from r
+on, then the first r ops of the node below; between them a hand-off op finishes the node
+above and begins the one below (its input gradient), so the boundary of the layer step
+falls inside β's chain (`schedules/dhelix.py` walks β so).
+
 A (plan, program) pair is bound once into per-step op lists (`_bound`): a step costs a
 few list operations beyond its ops, with no name lookups and no tracing branch per op
 unless a tracer is given.
@@ -22,12 +27,12 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from dhelix.planner.opspec import COMM
-from dhelix.planner.plan import Plan, comm_runs
+from dhelix.planner.opspec import COMM, COMPUTE, OpSpec
+from dhelix.planner.plan import Plan, comm_runs, node_order
 from dhelix.strand.program import LayerProgram, Op
 from dhelix.strand.state import StrandState
 from dhelix.strand.trace import TraceEvent, Tracer  # noqa: F401  (imported from here)
@@ -41,12 +46,18 @@ PACE = None
 STEP_BARRIERS = os.environ.get("DHELIX_STEP_BARRIERS", "0") == "1"
 
 States = Union[StrandState, Sequence[StrandState]]
-Segment = Tuple[States, Sequence[Op]]          # a strand's state(s) and its ops in a step
+Part = Tuple[States, Sequence[Op]]             # a strand's state(s) and its ops in a step
+Segment = Union[Part, List[Part]]              # a rotated β: parts of two nodes
 Item = Tuple[StrandState, Op]
+
+# the op between β's two nodes in a rotated layer step (not traced: no work of the plan)
+HANDOFF = OpSpec("handoff", COMPUTE, "compute")
 
 
 def _items(seg: Optional[Segment]) -> List[Item]:
     """A segment in issue order: op by op, each on every tile of the strand."""
+    if isinstance(seg, list):
+        return [it for part in seg for it in _items(part)]
     if seg is None or not seg[1]:
         return []
     states, ops = seg
@@ -96,7 +107,7 @@ def _run_alone(q: List[Item], tracer: Optional[Tracer]) -> list:
                 issued.append((S, op, mark, S.pending[-1] if S.pending else None,
                                tracer.step if tracer is not None else 0))
                 continue
-            if tracer is not None:
+            if tracer is not None and op.spec is not HANDOFF:
                 tracer.compute(S, op, mark)
     return issued
 
@@ -123,8 +134,8 @@ def _run_two(qs: List[List[Item]], tracer: Optional[Tracer]) -> list:
                                tracer.step if tracer is not None else 0))
                 cur = 1 - cur
                 continue
-            if tracer is not None:     # timed from when the comm results it read arrived
-                tracer.compute(S, op, mark)
+            if tracer is not None and op.spec is not HANDOFF:
+                tracer.compute(S, op, mark)   # timed from when the comm results it read arrived
     return issued
 
 
@@ -138,43 +149,75 @@ def _barrier(issued, states, tracer: Optional[Tracer]) -> None:
         S.barrier()
 
 
-# program -> {id(plan): (plan, forward ops per step, backward ops per step, all forward
-# ops, all backward ops)}
+# program -> {id(plan): _Bound}
 _BOUND: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _bound(plan: Plan, program: LayerProgram):
+class _Bound:
+    """A plan's steps as op lists of one program: α's per step (`f`) and all (`f_all`);
+    β's per step (`b`), and all in the node's own order (`b_all`, for a node alone). A
+    rotated plan splits β's per step into the ops of the node above (`tail`, from op r
+    on) and of the node below (`head`, its first r ops); `tail_end` is the step of the
+    tail's last op, after which the hand-off runs."""
+
+    def __init__(self, plan: Plan, program: LayerProgram):
+        self.plan = plan                # held: its id stays its own
+        self.f = [[program.fwd[n] for n in s.fwd] for s in plan.steps]
+        self.b = [[program.bwd[n] for n in s.bwd] for s in plan.steps]
+        self.f_all = [o for ops in self.f for o in ops]
+        self.b_all = [program.bwd[n] for n in node_order(plan)]
+        head = set(plan.backward[:plan.rotation])
+        self.head = [[o for o in ops if o.name in head] for ops in self.b]
+        self.tail = [[o for o in ops if o.name not in head] for ops in self.b]
+        self.tail_all = [o for ops in self.tail for o in ops]
+        self.head_all = [o for ops in self.head for o in ops]
+        self.tail_end = max((k for k, ops in enumerate(self.tail) if ops), default=-1)
+
+
+def _bound(plan: Plan, program: LayerProgram) -> _Bound:
     """The plan's steps as op lists of `program`, made once per (plan, program)."""
     per = _BOUND.get(program)
     if per is None:
         per = _BOUND[program] = {}
     got = per.get(id(plan))
-    if got is None or got[0] is not plan:      # the plan is held: its id stays its own
-        f = [[program.fwd[n] for n in s.fwd] for s in plan.steps]
-        b = [[program.bwd[n] for n in s.bwd] for s in plan.steps]
-        got = per[id(plan)] = (plan, f, b, [o for ops in f for o in ops],
-                               [o for ops in b for o in ops])
-    return got[1:]
+    if got is None or got.plan is not plan:
+        got = per[id(plan)] = _Bound(plan, program)
+    return got
+
+
+def _states(*strands) -> List[StrandState]:
+    out = []
+    for st in strands:
+        if st is not None:
+            out += [st] if isinstance(st, StrandState) else list(st)
+    return out
 
 
 def run_layer_step(plan: Plan,
                    fwd: Optional[Tuple[LayerProgram, States]] = None,
                    bwd: Optional[Tuple[LayerProgram, States]] = None,
-                   tracer: Optional[Tracer] = None) -> None:
+                   tracer: Optional[Tracer] = None,
+                   below: Optional[Tuple[LayerProgram, States]] = None,
+                   handoff: Optional[Callable[[], None]] = None) -> None:
     """One layer step: α's forward ops of one layer and β's backward ops of one layer
     (the same layer or another of the same shape), in the order the plan gives. Each
     strand is one state or its node's tiles. A strand without a partner runs its ops in
     the plan's order as one step: no barrier is needed between its own ops (each comm is
     waited for by its reader), so its comm runs beside its next ops that do not read it
-    (a dgrad's reduce-scatter beside the wgrad after it, as in megatron's layer)."""
+    (a dgrad's reduce-scatter beside the wgrad after it, as in megatron's layer).
+
+    A rotated plan with `handoff` given: `bwd` runs its ops from op r on, then
+    `handoff()`, then `below` (None: no node follows) its first r ops."""
+    if handoff is not None and plan.rotation:
+        return _run_rotated(plan, fwd, bwd, below, handoff, tracer)
     if fwd is None or bwd is None:
         if fwd is not None:
-            execute_step((fwd[1], _bound(plan, fwd[0])[2]), None, tracer)
+            execute_step((fwd[1], _bound(plan, fwd[0]).f_all), None, tracer)
         elif bwd is not None:
-            execute_step(None, (bwd[1], _bound(plan, bwd[0])[3]), tracer)
+            execute_step(None, (bwd[1], _bound(plan, bwd[0]).b_all), tracer)
         return
-    f_ops = _bound(plan, fwd[0])[0]
-    b_ops = _bound(plan, bwd[0])[1]
+    f_ops = _bound(plan, fwd[0]).f
+    b_ops = _bound(plan, bwd[0]).b
     issued = []
     for k in range(len(plan.steps)):
         a = (fwd[1], f_ops[k]) if f_ops[k] else None
@@ -182,9 +225,39 @@ def run_layer_step(plan: Plan,
         if a or b:
             # no barrier between the plan's steps: a comm is waited for by its reader
             issued += execute_step(a, b, tracer, barrier=STEP_BARRIERS)
-    states = [fwd[1]] if isinstance(fwd[1], StrandState) else list(fwd[1])
-    states += [bwd[1]] if isinstance(bwd[1], StrandState) else list(bwd[1])
-    _barrier(issued, states, tracer)
+    _barrier(issued, _states(fwd[1], bwd[1]), tracer)
+
+
+def run_head(plan: Plan, bwd: Tuple[LayerProgram, States],
+             tracer: Optional[Tracer] = None) -> None:
+    """A rotated plan's first r backward ops of β's first node, alone, in the plan's
+    order (before α's first layer step of a co-step)."""
+    execute_step(None, (bwd[1], _bound(plan, bwd[0]).head_all), tracer)
+
+
+def _run_rotated(plan, fwd, bwd, below, handoff, tracer) -> None:
+    """β from op r of `bwd` on, the hand-off, `below`'s first r ops; beside α's `fwd`
+    (None: β alone)."""
+    tb = _bound(plan, bwd[0])
+    hb = _bound(plan, below[0]) if below is not None else None
+    hand = (below[1] if below is not None else bwd[1], [Op(HANDOFF, lambda S: handoff())])
+    if fwd is None:         # alone: the rest of the node, then the hand-off
+        execute_step(None, [(bwd[1], tb.tail_all), hand], tracer)
+        return
+    f_ops = _bound(plan, fwd[0]).f
+    issued = []
+    for k in range(len(plan.steps)):
+        parts = [(bwd[1], tb.tail[k])]
+        if k == tb.tail_end:
+            parts.append(hand)
+        if hb is not None:
+            parts.append((below[1], hb.head[k]))
+        b = [p for p in parts if p[1]]
+        a = (fwd[1], f_ops[k]) if f_ops[k] else None
+        if a or b:
+            issued += execute_step(a, b or None, tracer, barrier=STEP_BARRIERS)
+    _barrier(issued, _states(fwd[1], bwd[1], below[1] if below is not None else None),
+             tracer)
 
 
 def run_tiles(program: LayerProgram, states: Sequence[StrandState], kind: str,
