@@ -51,10 +51,10 @@ def _runs(world, dhelix, **kw):
     return base, dh
 
 
-def _random_plan(tmp_path, config, seed, mbs):
+def _random_plan(tmp_path, config, seed, mbs, rotation=0):
     from train_fns import write_random_plan
     plan = str(tmp_path / f"random{seed}.json")
-    run_ranks(write_random_plan, 2, plan, config, seed, mbs, timeout=200)
+    run_ranks(write_random_plan, 2, plan, config, seed, mbs, rotation, timeout=200)
     return plan
 
 
@@ -90,6 +90,18 @@ def test_halves_train_like_baseline(nmb):
     base, dh = _runs(2, {"enabled": True, "halves": True}, **kw)
     assert same_runs(dh, base, 1e-5, keys=("losses",)) <= 1e-5
     assert 0.0 < same_runs(dh, base, 1e-4, keys=("grad_checksums",)) <= 1e-4
+    assert same_runs(dh, base, 1e-3, keys=("weight_checksums",)) <= 1e-3
+
+
+def test_halves_with_a_rotated_plan(tmp_path):
+    """`--dhelix-halves` with a random plan whose β chain is rotated (`Plan.rotation`):
+    B(1)'s halves walk across two nodes in each co-step. 3 micro-batches, 10 steps, at
+    the halves' tolerances."""
+    kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
+              train_iters=10, micro_batch_size=2, global_batch_size=6)
+    plan = _random_plan(tmp_path, "tiny", 7, 2, rotation=5)
+    base, dh = _runs(2, {"enabled": True, "halves": True, "plan": plan}, **kw)
+    assert same_runs(dh, base, 1e-5, keys=("losses",)) <= 1e-5
     assert same_runs(dh, base, 1e-3, keys=("weight_checksums",)) <= 1e-3
 
 

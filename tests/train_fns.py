@@ -24,15 +24,17 @@ def write_plan_for(path, config):
     return path
 
 
-def write_random_plan(path, config, seed, mbs=2):
-    """A random legal plan for `config`'s layer (TP=2, SP, seq 64, micro-batch `mbs`)."""
+def write_random_plan(path, config, seed, mbs=2, rotation=0):
+    """A random legal plan for `config`'s layer (TP=2, SP, seq 64, micro-batch `mbs`),
+    β's chain rotated by `rotation`."""
     import random
     from dhelix.planner.enumerate import random_legal_plan
     import layer_fns
     _, dh, _, _ = layer_fns.setup_layer(config, 2, True, 1, 64, mbs)
     import torch.distributed as dist
     if dist.get_rank() == 0:
-        random_legal_plan(dh.program.layer_ops(64, mbs), random.Random(seed)).save(path)
+        random_legal_plan(dh.program.layer_ops(64, mbs), random.Random(seed),
+                          rotation=rotation).save(path)
     dist.barrier()
     return path
 

@@ -27,7 +27,7 @@ def layer_prediction(a, cfg, cost_source) -> float:
     run used."""
     from dhelix.planner import dp
     layer, costs = layer_costs(a, cfg, cost_source)
-    meta = dp.plan(layer, costs).meta
+    meta = dp.plan(layer, costs, rotate=True).meta
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
@@ -49,7 +49,8 @@ def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
     return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
             "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
-            "dhelix-plan": simulate_step(layer, dp.plan(layer, costs), costs, L, N, ex)}
+            "dhelix-plan": simulate_step(layer, dp.plan(layer, costs, rotate=True,
+                                                        num_layers=L), costs, L, N, ex)}
 
 
 def pp_simulate(a, cfg, link, cost_source) -> dict:
@@ -58,7 +59,7 @@ def pp_simulate(a, cfg, link, cost_source) -> dict:
     from dhelix.planner import dp
     tp = a.tensor_model_parallel_size
     layer, costs = layer_costs(a, cfg, cost_source)
-    lc = LayerCosts.from_plan(layer, dp.plan(layer, costs), costs)
+    lc = LayerCosts.from_plan(layer, dp.plan(layer, costs, rotate=True), costs)
     m = load_model_config(cfg)
     G = a.pipeline_model_parallel_size
     lk = parse_link(link)

@@ -25,6 +25,10 @@ def add_parser(sub) -> None:
     add_shape_args(p, required=True)
     add_cost_args(p, required=True)
     add_planner_args(p)
+    p.add_argument("--no-rotation", dest="rotate", action="store_false",
+                   help="plan β's chain unrotated only (by default the planner also tries "
+                        "each rotation, where a layer step's β ops start inside a node, and "
+                        "keeps the one whose co-step ends first; docs/planner.md)")
     p.add_argument("--out", default="plan.json", metavar="PLAN.json",
                    help="where to write the plan (default plan.json)")
     p.set_defaults(func=run)
@@ -34,7 +38,8 @@ def run(a) -> int:
     try:
         shape = shape_from_args(a)
         budget = None if a.memory_budget is None else parse_bytes(a.memory_budget, "--memory-budget")
-        p, layer = make_plan(shape, a.table, a.cluster, budget, a.backend, a.force)
+        p, layer = make_plan(shape, a.table, a.cluster, budget, a.backend, a.force,
+                             rotate=a.rotate)
     except expected_errors() as e:
         return fail("plan", readable_budget_error(e))
     try:
@@ -53,6 +58,10 @@ def run(a) -> int:
     print(f"steps:                {len(p.steps)} ({p.num_paired()} paired)")
     print(f"predicted layer step: {fmt_time(t)}  (trivial plan {fmt_time(triv)}, "
           f"speedup {triv / t if t > 0 else 1.0:.3f}x)")
+    if p.rotation:
+        print(f"rotation:             {p.rotation} (unrotated plan "
+              f"{fmt_time(m['unrotated_predicted_s'])}; a co-step of {m['co_step_layers']} "
+              f"layers {fmt_time(m['co_step_predicted_s'])})")
     budget_txt = "" if budget is None else f"  (budget {fmt_bytes(budget)})"
     print(f"predicted peak mem:   {fmt_bytes(m.get('predicted_peak_bytes'))}{budget_txt}")
     print(f"planning time:        {m['planning_time_s'] * 1e3:.1f} ms (backend {m['backend']})")

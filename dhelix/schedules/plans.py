@@ -70,7 +70,8 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
                                          group_sizes_of(layer_ops.shape, layer_ops),
                                          dtype="bf16" if layer_ops.shape["dtype_bytes"] == 2
                                          else "fp32")
-            return dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force)
+            return dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force,
+                           rotate=True)
         return PlanBook(seq_length, micro_batch_size, make_plan=make,
                         source=table_path or cluster)
     return PlanBook(seq_length, micro_batch_size, make_plan=paired_plan, source="built-in")

@@ -240,7 +240,9 @@ def _run_rotated(plan, fwd, bwd, below, handoff, tracer) -> None:
     (None: β alone)."""
     tb = _bound(plan, bwd[0])
     hb = _bound(plan, below[0]) if below is not None else None
-    hand = (below[1] if below is not None else bwd[1], [Op(HANDOFF, lambda S: handoff())])
+    # once, on one state (an op of a tiled strand runs on every tile)
+    hand = (_states(below[1] if below is not None else bwd[1])[0],
+            [Op(HANDOFF, lambda S: handoff())])
     if fwd is None:         # alone: the rest of the node, then the hand-off
         execute_step(None, [(bwd[1], tb.tail_all), hand], tracer)
         return
