@@ -69,6 +69,21 @@ def test_dhelix_recompute_matches_megatron_recompute(setting):
 
 
 @pytest.mark.timeout(500)
+def test_rotated_plan_with_recompute(tmp_path):
+    """A random plan with β's chain rotated (`Plan.rotation`) under block recompute (the
+    first of tiny4's 4 layers recomputed): β is walked across two nodes except into the
+    recomputed one, which runs beside α by itself in its own order; bit for bit against
+    megatron's schedule with the same flags."""
+    from train_fns import write_random_plan
+    plan = str(tmp_path / "rotated.json")
+    run_ranks(write_random_plan, 2, plan, "tiny4", 4, 2, 5, timeout=200)
+    runs = [("dh", dict(SETTINGS["block"], dhelix={"enabled": True, "plan": plan}))]
+    dh = [r["dh"] for r in run_ranks(train_many, 2, runs, timeout=400, **COMMON)]
+    assert dh[0]["config"]["schedule"] == "dhelix"
+    assert same_runs(dh, _pick("mg/block")) == 0.0
+
+
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("setting", DROPOUT)
 def test_recompute_with_dropout_replays_the_masks(setting):
     """With dropout 0.1 (hidden and attention): the dropout is live (the losses differ

@@ -172,6 +172,10 @@ class _Bound:
         self.tail_all = [o for ops in self.tail for o in ops]
         self.head_all = [o for ops in self.head for o in ops]
         self.tail_end = max((k for k, ops in enumerate(self.tail) if ops), default=-1)
+        # one node beside α by a rotated plan (no hand-off: a recomputed node): the
+        # node's ops in its own order, as many per step as the plan's β ops there
+        it = iter(self.b_all)
+        self.b_node = [[next(it) for _ in ops] for ops in self.b]
 
 
 def _bound(plan: Plan, program: LayerProgram) -> _Bound:
@@ -207,7 +211,8 @@ def run_layer_step(plan: Plan,
     (a dgrad's reduce-scatter beside the wgrad after it, as in megatron's layer).
 
     A rotated plan with `handoff` given: `bwd` runs its ops from op r on, then
-    `handoff()`, then `below` (None: no node follows) its first r ops."""
+    `handoff()`, then `below` (None: no node follows) its first r ops. Without one, β's
+    one node runs its ops in its own order, as many per step as the plan has there."""
     if handoff is not None and plan.rotation:
         return _run_rotated(plan, fwd, bwd, below, handoff, tracer)
     if fwd is None or bwd is None:
@@ -217,7 +222,8 @@ def run_layer_step(plan: Plan,
             execute_step(None, (bwd[1], _bound(plan, bwd[0]).b_all), tracer)
         return
     f_ops = _bound(plan, fwd[0]).f
-    b_ops = _bound(plan, bwd[0]).b
+    bb = _bound(plan, bwd[0])
+    b_ops = bb.b_node if plan.rotation else bb.b
     issued = []
     for k in range(len(plan.steps)):
         a = (fwd[1], f_ops[k]) if f_ops[k] else None
