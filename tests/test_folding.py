@@ -83,8 +83,10 @@ def same_fold(dh, base):
     return worst
 
 
-def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", pp=2, steps=STEPS, **kw):
-    """megatron 1F1B and the fold from the same initial weights (a PP=1 checkpoint)."""
+def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", pp=2, steps=STEPS, plan=None,
+          **kw):
+    """megatron 1F1B and the fold from the same initial weights (a PP=1 checkpoint); the
+    fold with the plan file `plan` if given."""
     d = str(tmp)
     common = dict(config=config, tensor_model_parallel_size=tp,
                   sequence_parallel=tp > 1, micro_batch_size=1)
@@ -92,8 +94,8 @@ def _runs(world, nmb, tp=1, tmp=None, config="tiny-llama4", pp=2, steps=STEPS, *
     kw = dict(common, train_iters=steps, load=d, finetune=True, global_batch_size=nmb * world // (pp * tp),
               pipeline_model_parallel_size=pp, checksums=True, **kw)
     base = run_ranks(train_result, world, timeout=600, **kw)
-    dh = run_ranks(train_result, world, timeout=600, dhelix={"enabled": True, "fold": True},
-                   **kw)
+    opts = {"enabled": True, "fold": True, **({"plan": plan} if plan else {})}
+    dh = run_ranks(train_result, world, timeout=600, dhelix=opts, **kw)
     return base, dh
 
 
@@ -110,6 +112,19 @@ def test_fold_trains_like_megatron_1f1b(tmp_path, world, tp, nmb, config):
     assert dh[0]["config"]["num_microbatches"] == nmb
     assert same_fold(dh, base) <= FOLD_TOL
     assert len(dh[0]["peak_memory_bytes_per_stage"]) == 2
+
+
+def test_fold_with_a_rotated_plan(tmp_path):
+    """The fold with a random plan whose β chain is rotated (`Plan.rotation`): each
+    co-step walks its backward chunk's nodes across layer steps. TP=2+SP × PP=2, 8
+    micro-batches, at the fold's tolerances."""
+    from train_fns import write_random_plan
+    plan = str(tmp_path / "rotated.json")
+    run_ranks(write_random_plan, 2, plan, "tiny-llama4", 11, 1, 4, timeout=200)
+    (tmp_path / "ckpt").mkdir()
+    base, dh = _runs(4, 8, 2, tmp_path / "ckpt", "tiny-llama4", plan=plan)
+    assert dh[0]["config"]["schedule"] == "dhelix-fold"
+    assert same_fold(dh, base) <= FOLD_TOL
 
 
 @pytest.mark.parametrize("G,N", [(2, 2), (4, 4), (4, 8), (4, 16)])
