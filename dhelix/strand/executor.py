@@ -50,7 +50,8 @@ Part = Tuple[States, Sequence[Op]]             # a strand's state(s) and its ops
 Segment = Union[Part, List[Part]]              # a rotated β: parts of two nodes
 Item = Tuple[StrandState, Op]
 
-# the op between β's two nodes in a rotated layer step (not traced: no work of the plan)
+# the op between β's two nodes in a rotated layer step (neither traced nor paced: no op
+# of the plan)
 HANDOFF = OpSpec("handoff", COMPUTE, "compute")
 
 
@@ -99,7 +100,7 @@ def _run_alone(q: List[Item], tracer: Optional[Tracer]) -> list:
     with torch.no_grad():
         for S, op in q:
             mark = tracer.begin(S) if tracer is not None else None
-            if PACE is not None and op.spec.kind != COMM:
+            if PACE is not None and op.spec.kind != COMM and op.spec is not HANDOFF:
                 PACE.run(op, S)
             else:
                 op.run(S)
@@ -125,7 +126,7 @@ def _run_two(qs: List[List[Item]], tracer: Optional[Tracer]) -> list:
             S, op = qs[cur][pos[cur]]
             pos[cur] += 1
             mark = tracer.begin(S) if tracer is not None else None
-            if PACE is not None and op.spec.kind != COMM:
+            if PACE is not None and op.spec.kind != COMM and op.spec is not HANDOFF:
                 PACE.run(op, S)
             else:
                 op.run(S)
