@@ -24,6 +24,7 @@ class PlanBook:
         if plan is not None:
             return plan
         ops = layer.program.layer_ops(self.seq_length, self.micro_batch_size)
+        ops.co_step_layers = co_step_layers_of(layer)
         sig = ops.signature()
         if sig not in self._by_sig:
             plan = self.plan if self.plan is not None else self.make_plan(ops)
@@ -71,10 +72,19 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
                                          dtype="bf16" if layer_ops.shape["dtype_bytes"] == 2
                                          else "fp32")
             return dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force,
-                           rotate=True)
+                           rotate=True, num_layers=getattr(layer_ops, "co_step_layers", None))
         return PlanBook(seq_length, micro_batch_size, make_plan=make,
                         source=table_path or cluster)
     return PlanBook(seq_length, micro_batch_size, make_plan=paired_plan, source="built-in")
+
+
+def co_step_layers_of(layer) -> int:
+    """How many layer pairs one co-step runs: the layers of one model chunk (the planner
+    weighs a rotated plan's first and last partial steps by it)."""
+    cfg = layer.config
+    pp = max(int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1), 1)
+    vpp = max(int(getattr(cfg, "virtual_pipeline_model_parallel_size", None) or 1), 1)
+    return max(int(cfg.num_layers) // (pp * vpp), 1)
 
 
 def check_hardware(table, path: str, force: bool) -> None:
