@@ -74,13 +74,16 @@ def test_cp2_tp2_sp_trains_like_tp2_sp():
 
 def _random_plan(tmp_path, seed, tp, sp, cp):
     """A random legal plan for tiny-llama's layer at this layout, planned from the shape
-    (no ranks): the live DHelix layer must accept it."""
+    (no ranks): the live DHelix layer must accept it. Even seeds: β's chain rotated by a
+    random r (`Plan.rotation`), which may cut the ring."""
     from dhelix.models.config import load_model_config
     from dhelix.planner.enumerate import random_legal_plan
     from dhelix.planner.shapes import layer_ops_for_shape
     ops = layer_ops_for_shape(load_model_config("tiny-llama"), tp, sp, 64, 2, cp=cp)
     path = str(tmp_path / f"cp{cp}_tp{tp}_{seed}.json")
-    random_legal_plan(ops, random.Random(seed)).save(path)
+    rng = random.Random(seed)
+    rot = 0 if seed % 2 else rng.randrange(1, len(ops.backward))
+    random_legal_plan(ops, rng, rotation=rot).save(path)
     return path
 
 
