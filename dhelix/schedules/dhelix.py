@@ -8,6 +8,10 @@ explicit walk over the nodes its forward recorded. Inside a co-executed step, α
 runs beside β's layer L−i+1 by the layer's plan. Every rank walks the same nodes in the
 same order, so collectives never interleave differently across ranks.
 
+A rotated plan (`Plan.rotation`) shifts β by part of a layer (`RotatedWalk`): α's layer
+runs beside the end of one β node and the start of the next, so the two strands never
+drain together at a layer step's end (`schedules/rotated.py`).
+
 F(1) and B(N) have no partner. With `--dhelix-halves` their micro-batches' layer nodes
 hold two batch halves, run round-robin (one half's comm beside the other's compute); in
 the co-executed steps F(N) and B(1) then run each op on both halves in turn.
@@ -20,7 +24,8 @@ from typing import Optional
 from dhelix.schedules.microbatch import (BackwardWalk, Microbatch, MicrobatchSteps,
                                          unwrap_and_evaluate)
 from dhelix.schedules.plans import PlanBook
-from dhelix.strand.executor import Tracer, run_head, run_layer_step, run_tiles
+from dhelix.schedules.rotated import RotatedWalk
+from dhelix.strand.executor import Tracer, run_layer_step, run_tiles
 from dhelix.strand.lanes import Lanes, make_lanes
 from dhelix.strand.layer import DHelixLayer
 
@@ -118,61 +123,6 @@ def co_step(plans: PlanBook, tracer: Optional[Tracer], forward=None,
     if walk is not None:
         walk.pre()
     return out
-
-
-class RotatedWalk:
-    """β's side of a co-step under a rotated plan (`Plan.rotation` r): the open node has
-    run its first r ops; each α layer runs beside the open node's other ops and the first
-    r ops of the node below, which then is the open one. The first node's first r ops run
-    alone, before α's first layer; the last node's rest after α's last (`close`)."""
-
-    def __init__(self, walk: Optional[BackwardWalk], tracer: Optional[Tracer]):
-        self.walk, self.tracer = walk, tracer
-        self.open = None                  # β's node whose first r ops have run
-        self.plan = None                  # ... by this plan
-
-    def pair(self, plan, node) -> bool:
-        """Run α's `node` beside β by a rotated `plan`; False where it does not apply (no
-        rotation, no β node left, or a recomputed β node, whose forward reruns first)."""
-        walk = self.walk
-        if self.open is not None and self.plan.rotation != plan.rotation:
-            self.close()                  # layers of another plan: finish the open node
-        if not plan.rotation or walk is None or \
-                (self.open is None and not _can_rotate(walk, 1)):
-            return False
-        if self.open is None:             # β's first node: its first r ops alone
-            self.open, self.plan = walk.next(), plan
-            run_head(plan, (self.open.program, self.open.states), self.tracer)
-        top = self.open
-        below = walk.pending[-1] if _can_rotate(walk, 1) else None
-
-        def handoff():                    # the node above done, the one below begun
-            walk.done(top)
-            self.open = walk.next() if below is not None else None
-            assert self.open is below
-        run_layer_step(plan, fwd=(node.program, node.states),
-                       bwd=(top.program, top.states), tracer=self.tracer,
-                       below=(below.program, below.states) if below is not None else None,
-                       handoff=handoff)
-        return True
-
-    def close(self) -> None:
-        """The open node's remaining ops, alone."""
-        if self.open is None:
-            return
-        top, walk = self.open, self.walk
-
-        def handoff():
-            walk.done(top)
-            self.open = None
-        run_layer_step(self.plan, bwd=(top.program, top.states), tracer=self.tracer,
-                       handoff=handoff)
-
-
-def _can_rotate(walk: BackwardWalk, n: int) -> bool:
-    """β's next node exists and is not recomputed (a recomputed node reruns its forward
-    when it begins: the hand-off stays at a layer step's end)."""
-    return walk.remaining() >= n and not walk.pending[-1].recompute
 
 
 def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_microbatches,
