@@ -98,6 +98,13 @@ def test_first_failure_by_time_and_cause(tmp_path):
 
 # ---- Ctrl-C ----------------------------------------------------------------------------
 
+def _terminal_sigint():
+    """SIGINT as a terminal leaves it. pytest run in the background of a non-interactive
+    shell (`pytest ... &`) ignores SIGINT, and an ignored SIGINT is inherited through exec:
+    the launcher would never see the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("to", ["launcher", "process group"])
 def test_ctrl_c_is_one_line(tmp_path, to):
     """SIGINT to the launcher (or, as a terminal's Ctrl-C does, to its whole process
@@ -108,7 +115,7 @@ def test_ctrl_c_is_one_line(tmp_path, to):
         p = subprocess.Popen([sys.executable, "-m", "dhelix.cli", "train", "--nproc", "2",
                               *TINY, "--train-iters", "100000", "--log-interval", "1"],
                              stdout=out, stderr=err_f, stdin=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=_terminal_sigint)
     try:
         deadline = time.time() + 120
         while "iter    2/" not in out_path.read_text():
