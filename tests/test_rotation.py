@@ -116,7 +116,7 @@ def test_planner_picks_the_rotation_whose_co_step_ends_first(cpp_core):
         assert a.meta["predicted_s"] == b.meta["predicted_s"]
         validate(a, layer)
         best = min(co_step_layers(LaneModel(layer, table, rotation=r),
-                                  dp._plan_at(layer, table, None, None, None, "cpp", False, r),
+                                  dp._plan_at(layer, table, None, None, None, "cpp", False, r)[0],
                                   L) for r in range(len(layer.backward)))
         assert a.meta["co_step_predicted_s"] == best
         unrot = dp.plan(layer, table, num_layers=L)

@@ -267,23 +267,19 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
     the layer count defaults to the table's step extras', else 1. Only without a budget
     or a step-cost function: the rotated chains are priced by the table.
     """
-    p = _plan_at(layer, table, step_cost, memory_budget_bytes, base_bytes, backend, force, 0)
-    if not rotate or table is None or step_cost is not None or \
+    t_start = time.perf_counter()
+    p, model = _plan_at(layer, table, step_cost, memory_budget_bytes, base_bytes, backend,
+                        force, 0)
+    if not rotate or model is None or step_cost is not None or \
             memory_budget_bytes is not None or len(layer.backward) < 2:
         return p
     from dhelix.planner.whole_step import co_step_layers
-    t_start = time.perf_counter() - p.meta["planning_time_s"]
     L = num_layers or (table.step_extras.num_layers if table.step_extras else 1)
     L = max(int(L), 1)
-
-    def co_step(q: Plan) -> float:
-        model = LaneModel(layer, table, base_bytes=base_bytes, force=force,
-                          rotation=q.rotation)
-        return co_step_layers(model, q, L)
-    best, best_t = p, co_step(p)
+    best, best_t = p, co_step_layers(model, p, L)
     for r in range(1, len(layer.backward)):
-        q = _plan_at(layer, table, None, None, base_bytes, backend, force, r)
-        t = co_step(q)
+        q, model = _plan_at(layer, table, None, None, base_bytes, backend, force, r)
+        t = co_step_layers(model, q, L)
         if t < best_t:
             best, best_t = q, t
     meta = best.meta
@@ -299,8 +295,9 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
 
 def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[StepCost],
              memory_budget_bytes: Optional[float], base_bytes: Optional[float],
-             backend: str, force: bool, rotation: int) -> Plan:
-    """`plan` for one rotation of β's chain."""
+             backend: str, force: bool, rotation: int) -> Tuple[Plan, Optional[LaneModel]]:
+    """`plan` for one rotation of β's chain: the plan, and the lane model it was priced on
+    (None without a table). The trivial plan's time is the unrotated one's only."""
     if backend not in ("auto", "cpp", "python"):
         raise ValueError(f"backend must be 'auto', 'cpp' or 'python', not {backend!r}")
     if backend == "cpp" and _core is None:
@@ -364,32 +361,33 @@ def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[St
 
     out_steps = [Step([o.name for o in F[i1:i2]], [o.name for o in B[j1:j2]])
                  for (i1, i2, j1, j2) in steps]
-    # predicted time of the trivial plan, with the same costs (unrotated: `plan` takes
-    # them from the unrotated plan)
-    triv = trivial_plan(layer)
-    fpos = {o.name: k for k, o in enumerate(F)}
-    bpos = {o.name: k for k, o in enumerate(B)}
-    triv_t = 0.0 if not rotation else INF
-    for s in (triv.steps if not rotation else []):
-        if s.fwd:
-            i1 = fpos[s.fwd[0]]
-            triv_t = triv_t + idx_cost(i1, i1 + len(s.fwd), 0, 0)
-        else:
-            j1 = bpos[s.bwd[0]]
-            triv_t = triv_t + idx_cost(L.n, L.n, j1, j1 + len(s.bwd))
     if problem is not None:
         # what the executor runs: the steps back to back (the DP's barrier sum bounds it)
         total = _run(model, steps)
-        triv_t = model.run(plan_indices(model, triv))[0] if not rotation else INF
     meta = {
         "made_by": "dhelix.planner.dp",
         "backend": "cpp" if use_cpp else "python",
         "predicted_s": total,
-        "trivial_predicted_s": triv_t,
-        "speedup_vs_trivial": (triv_t / total) if total > 0 else 1.0,
         "num_steps": len(out_steps),
-        "planning_time_s": time.perf_counter() - t_start,
     }
+    if not rotation:            # the trivial plan, with the same costs
+        triv = trivial_plan(layer)
+        if problem is not None:
+            triv_t = model.run(plan_indices(model, triv))[0]
+        else:
+            fpos = {o.name: k for k, o in enumerate(F)}
+            bpos = {o.name: k for k, o in enumerate(B)}
+            triv_t = 0.0
+            for s in triv.steps:
+                if s.fwd:
+                    i1 = fpos[s.fwd[0]]
+                    triv_t = triv_t + idx_cost(i1, i1 + len(s.fwd), 0, 0)
+                else:
+                    j1 = bpos[s.bwd[0]]
+                    triv_t = triv_t + idx_cost(L.n, L.n, j1, j1 + len(s.bwd))
+        meta["trivial_predicted_s"] = triv_t
+        meta["speedup_vs_trivial"] = (triv_t / total) if total > 0 else 1.0
+    meta["planning_time_s"] = time.perf_counter() - t_start
     if problem is not None:
         peak = -INF
         for (i1, i2, j1, j2) in steps:
@@ -402,7 +400,7 @@ def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[St
         meta["memory_budget_bytes"] = float(memory_budget_bytes)
     p = new_plan(layer, out_steps, meta, rotation)
     validate(p, layer)
-    return p
+    return p, (model if problem is not None else None)
 
 
 # ---- brute force and random plans (tests, validation runs) ---------------------------------

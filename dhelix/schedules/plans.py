@@ -5,6 +5,7 @@ from typing import Callable, Optional
 
 from dhelix.planner.plan import (Plan, PlanError, check_same_plan_across_ranks, paired_plan,
                                  trivial_plan, validate)
+from dhelix.strand.program import layers_per_chunk
 
 
 class PlanBook:
@@ -24,7 +25,7 @@ class PlanBook:
         if plan is not None:
             return plan
         ops = layer.program.layer_ops(self.seq_length, self.micro_batch_size)
-        ops.co_step_layers = co_step_layers_of(layer)
+        ops.co_step_layers = layers_per_chunk(layer.config)   # the layer pairs of a co-step
         sig = ops.signature()
         if sig not in self._by_sig:
             plan = self.plan if self.plan is not None else self.make_plan(ops)
@@ -76,15 +77,6 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
         return PlanBook(seq_length, micro_batch_size, make_plan=make,
                         source=table_path or cluster)
     return PlanBook(seq_length, micro_batch_size, make_plan=paired_plan, source="built-in")
-
-
-def co_step_layers_of(layer) -> int:
-    """How many layer pairs one co-step runs: the layers of one model chunk (the planner
-    weighs a rotated plan's first and last partial steps by it)."""
-    cfg = layer.config
-    pp = max(int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1), 1)
-    vpp = max(int(getattr(cfg, "virtual_pipeline_model_parallel_size", None) or 1), 1)
-    return max(int(cfg.num_layers) // (pp * vpp), 1)
 
 
 def check_hardware(table, path: str, force: bool) -> None:

@@ -84,11 +84,15 @@ def recompute_of(layer):
     from dhelix.planner.recompute import recomputed_layers
     vp = getattr(layer, "vp_stage", None)
     offset = get_transformer_layer_offset(cfg, vp_stage=vp)
-    pp = max(int(cfg.pipeline_model_parallel_size or 1), 1)
-    vpp = max(int(getattr(cfg, "virtual_pipeline_model_parallel_size", None) or 1), 1)
-    per_chunk = cfg.num_layers // (pp * vpp)
     return recomputed_layers(g, cfg.recompute_method, cfg.recompute_num_layers,
-                             per_chunk)[layer.layer_number - 1 - offset]
+                             layers_per_chunk(cfg))[layer.layer_number - 1 - offset]
+
+
+def layers_per_chunk(cfg) -> int:
+    """The layers of one model chunk (a pipeline stage's, or its virtual stage's)."""
+    pp = max(int(getattr(cfg, "pipeline_model_parallel_size", 1) or 1), 1)
+    vpp = max(int(getattr(cfg, "virtual_pipeline_model_parallel_size", None) or 1), 1)
+    return max(int(cfg.num_layers) // (pp * vpp), 1)
 
 
 class LayerProgram:
