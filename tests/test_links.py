@@ -1,4 +1,5 @@
 """Emulated links: `--link` parsing, the paced link model, training over it."""
+import json
 import pytest
 import torch
 
@@ -168,7 +169,7 @@ def test_paced_link_delays_to_the_model_holding_no_cpu():
         assert res["default_group_s"] < 0.5 * res["all_gather"]["model"]
 
 
-def test_training_over_the_paced_link_is_unchanged():
+def test_training_over_the_paced_link_is_unchanged(tmp_path):
     """4 steps of TP=2+SP on 2 ranks, megatron and DHelix over paced:10mbit: on every rank
     the link was on (it paced > 0 collectives, modelled > 0 s of transfer) and slowed the
     run (its waits slept past the data's arrival: > 0 s; 1.1-1.9 s of the 2.07 s modelled
@@ -183,7 +184,9 @@ def test_training_over_the_paced_link_is_unchanged():
     env = {"DHELIX_LINK": "paced:10mbit"}
     plain = run_ranks(train_result, 2, timeout=300, env={"DHELIX_LINK": "none"}, **kw)
     base = run_ranks(train_result, 2, timeout=300, env=env, **kw)
-    dh = run_ranks(train_result, 2, timeout=300, env=env, dhelix={"enabled": True}, **kw)
+    trace = str(tmp_path / "t.json")
+    dh = run_ranks(train_result, 2, timeout=300, env=env,
+                   dhelix={"enabled": True, "trace": trace}, **kw)
     assert len(plain) == len(base) == len(dh) == 2
     for rank, (p, b, d) in enumerate(zip(plain, base, dh)):
         assert p["link"] is None, (rank, p["link"])
@@ -195,6 +198,21 @@ def test_training_over_the_paced_link_is_unchanged():
             assert link["waited_s"] > 0, (rank, name, link)     # the link slowed the run
         same_numbers(b["losses"], p["losses"], tol=0.0, what=f"rank {rank} megatron losses")
         same_numbers(d["losses"], p["losses"], tol=0.0, what=f"rank {rank} dhelix losses")
+    # the trace carries the link's transfers on their own track, and where the time went
+    from dhelix.strand.trace import LINK_TID
+    for rank in range(2):
+        tr = json.load(open(tmp_path / f"t.rank{rank}.json"))
+        xs = [e for e in tr["traceEvents"] if e.get("ph") == "X"]
+        link = [e for e in xs if e["tid"] == LINK_TID]
+        assert link and all(e["name"] == "transfer" for e in link), rank
+        # 4 comm ops per layer forward, 6 per backward (tiny: 2 layers), and megatron's
+        # own collectives (embedding, output layer, loss) between the layers
+        assert len(link) > len([e for e in xs if e["tid"] in (1, 2)]), rank
+        rows = {r["phase"]: r for r in tr["otherData"]["time_report"]}
+        whole = rows["whole (traced)"]
+        assert 0 < whole["link_busy"] <= 1 and 0 < whole["compute_busy"] <= 1, whole
+        assert "F(2) ∥ B(1)" in rows and "between phases" in rows, sorted(rows)
+        assert "| whole (traced) |" in open(tmp_path / f"t.rank{rank}.md").read()
     # contention: DHelix's executor and megatron's layers under the GEMM stretch hook
     slow = run_ranks(link_fns.train_with_stretch, 2, timeout=300,
                      env={"DHELIX_LINK": "paced:10mbit,slow=0.5"}, dhelix={"enabled": True},

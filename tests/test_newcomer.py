@@ -205,14 +205,38 @@ def test_trace_picture_names_ops_marks_phases_has_legend():
         plt.close(fig)
 
 
+def test_time_report_per_phase_with_the_link_track():
+    """Where the time goes, from the events of `_events` and three link transfers
+    (0-5, 15-25, 20-30 ms): each phase's span and the shares of it the compute lane and
+    the link were busy (a union: the overlapping transfers count once), the time between
+    the phases, and the whole; the link track never makes a phase of its own."""
+    from dhelix.strand.trace import LINK, TraceEvent, link_events, phases, time_report
+    link = link_events([(100.000, 100.005), (100.015, 100.025), (100.020, 100.030)], 100.0)
+    assert all(e.lane == LINK for e in link)
+    ev = _events() + link
+    assert [l for _, l, _, _ in phases(ev)] == ["F(1)", "F(2) ∥ B(1)", "B(2)"]
+    got = {r["phase"]: (round(r["seconds"] * 1e3, 3), round(r["compute_busy"], 4),
+                        round(r["link_busy"], 4)) for r in time_report(ev)}
+    assert got == {"F(1)": (8.2, round(0.2 / 8.2, 4), round(5 / 8.2, 4)),
+                   "F(2) ∥ B(1)": (18.0, round(16 / 18, 4), round(13 / 18, 4)),
+                   "B(2)": (10.0, 0.0, 0.0),
+                   "between phases": (3.8, 0.0, round(2 / 3.8, 4)),
+                   "whole (traced)": (40.0, round(16.2 / 40, 4), 0.5)}, got
+    assert time_report(link) == []          # no layer op traced: nothing to report
+    assert isinstance(ev[0], TraceEvent)
+
+
 def test_trace_files_carry_the_rank_on_rank_0_too(tmp_path):
     from dhelix.strand.trace import trace_files, write_trace
     path = str(tmp_path / "t" / "trace.json")
     assert trace_files(path, 0) == (str(tmp_path / "t" / "trace.rank0.json"),
                                     str(tmp_path / "t" / "trace.rank0.png"))
     written = write_trace(_events(), path, 0)
-    assert written == list(trace_files(path, 0))
-    assert sorted(os.listdir(tmp_path / "t")) == ["trace.rank0.json", "trace.rank0.png"]
+    assert written == list(trace_files(path, 0)) + [str(tmp_path / "t" / "trace.rank0.md")]
+    assert sorted(os.listdir(tmp_path / "t")) == ["trace.rank0.json", "trace.rank0.md",
+                                                  "trace.rank0.png"]
     assert os.path.getsize(written[1]) > 1000
+    md = open(written[2]).read()
+    assert "| F(2) ∥ B(1) | 18.0 | 89% | - |" in md, md     # no link track: no link share
     assert trace_files(str(tmp_path / "tr"), 3) == (str(tmp_path / "tr.rank3.json"),
                                                      str(tmp_path / "tr.rank3.png"))

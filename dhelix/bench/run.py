@@ -224,10 +224,12 @@ def _profile_argv(a, cfg, out_table):
 
 
 def _trace_totals(path: str) -> Dict[str, float]:
+    from dhelix.strand.trace import LANE_TID     # not the link track: a lane's ops only
     with open(path) as f:
         ev = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    comp = sum(e["dur"] for e in ev if e["tid"] == 0) / 1e6
-    comm = sum(e["dur"] for e in ev if e["tid"] != 0) / 1e6
+    comp = sum(e["dur"] for e in ev if e["tid"] == LANE_TID["compute"]) / 1e6
+    lanes = (LANE_TID["intra"], LANE_TID["inter"])
+    comm = sum(e["dur"] for e in ev if e["tid"] in lanes) / 1e6
     return {"layer_compute_s": comp, "layer_comm_s": comm}
 
 

@@ -229,6 +229,13 @@ class PacedLink:
             spans = self._spans[first:]
         return union_seconds(spans, t0, t1)
 
+    def spans_between(self, t0: float, t1: float) -> List[Tuple[float, float]]:
+        """This rank's transfers in flight at some time within [t0, t1], as recorded
+        ((start, done), host clock): the link track of a trace."""
+        with self.lock:
+            first = bisect.bisect_right(self._reach, t0)
+            return [(s, e) for s, e in self._spans[first:] if s < t1]
+
     def in_flight_until(self) -> float:
         """When the last transfer recorded so far ends (0.0 if none)."""
         with self.lock:

@@ -74,11 +74,13 @@ class DHelixSchedule:
         return forward_backward_dhelix(schedule=self, **kw)
 
     def finish(self, rank: int = 0):
-        """Write the last iteration's trace (Chrome JSON + PNG) if --dhelix-trace."""
+        """Write the last iteration's trace (Chrome JSON + PNG, where the time went as
+        markdown) if --dhelix-trace; on the paced link with the link's transfers."""
         path = self.options.get("trace")
         if path and self.tracer is not None and self.tracer.events:
-            from dhelix.strand.trace import write_trace
-            return write_trace(self.tracer.events, path, rank)
+            from dhelix.strand.trace import paced_link_events, write_trace
+            events = self.tracer.events
+            return write_trace(events + paced_link_events(self.tracer, events), path, rank)
 
 
 def co_step(plans: PlanBook, tracer: Optional[Tracer], forward=None,

@@ -158,19 +158,23 @@ class Tracer:
 
 
 LANE_TID = {"compute": 0, "intra": 1, "inter": 2}
+# the paced link's modelled transfers of this rank (what the wire does, whoever issued
+# them: DHelix's lanes or megatron's own collectives); their own track, never an op's lane
+LINK = "link"
+LINK_TID = 4
 
 
 def chrome_trace(events: Sequence, rank: int = 0) -> dict:
     """{"traceEvents": [...]}: every op as a complete event on its lane's track,
     labelled with its strand (α/β) and micro-batch (F3 = forward of micro-batch 3)."""
     out: List[dict] = []
-    for lane, tid in LANE_TID.items():
+    for lane, tid in list(LANE_TID.items()) + [(LINK + " (modelled)", LINK_TID)]:
         out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                     "args": {"name": lane}})
     out.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                 "args": {"name": f"rank {rank}"}})
     for e in events:
-        out.append({"name": e.op, "ph": "X", "pid": rank, "tid": LANE_TID.get(e.lane, 3),
+        out.append({"name": e.op, "ph": "X", "pid": rank, "tid": LINK_TID if e.lane == LINK else LANE_TID.get(e.lane, 3),
                     "ts": e.start * 1e6, "dur": max(e.end - e.start, 0) * 1e6,
                     "cat": e.strand,
                     "args": {"strand": e.strand, "microbatch": e.label, "lane": e.lane,
@@ -178,7 +182,7 @@ def chrome_trace(events: Sequence, rank: int = 0) -> dict:
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
-STRAND_COLORS = {"α": "tab:blue", "β": "tab:orange"}
+STRAND_COLORS = {"α": "tab:blue", "β": "tab:orange", LINK: "tab:green"}
 PHASE_COLORS = {"F": "#d9d9d9", "F∥B": "#b7e4b0", "B": "#f2d7b6"}
 PHASE_NAMES = {"F": "F alone (first forward)", "F∥B": "F ∥ B (paired)",
                "B": "B alone (last backward)"}
@@ -219,6 +223,68 @@ def phases(events: Sequence) -> List[Tuple[str, str, float, float]]:
     return sorted(out, key=lambda p: p[2])
 
 
+def link_events(spans: Sequence[Tuple[float, float]], t0: float) -> List[TraceEvent]:
+    """The paced link's transfers of this rank ((start, done) on the host clock,
+    `PacedLink.spans_between`) as events on the link track, in seconds from `t0`."""
+    return [TraceEvent(LINK, "transfer", LINK, s - t0, e - t0, -1) for s, e in spans]
+
+
+def paced_link_events(tracer: "Tracer", events: Sequence[TraceEvent]) -> List[TraceEvent]:
+    """The paced link's transfers over the span of `events` (the tracer's, in seconds),
+    if a paced link is installed and the tracer reads the host clock (the link model's
+    clock); else none."""
+    from dhelix.links.paced import active
+    link = active()
+    if link is None or not isinstance(tracer.clock, HostClock) or not events:
+        return []
+    t0 = tracer.clock.t0
+    spans = link.spans_between(t0 + min(e.start for e in events),
+                               t0 + max(e.end for e in events))
+    return link_events(spans, t0)
+
+
+def time_report(events: Sequence) -> List[dict]:
+    """Where the time goes: per phase (`phases`), then the time between phases (the
+    embedding, the loss and megatron's code around the layers) and the whole traced
+    span, how long it took and which share of it the compute lane and the link were
+    busy (the link: None without link events, i.e. not on the paced link)."""
+    from dhelix.links.paced import union_seconds
+    layer = [e for e in events if e.lane != LINK]
+    if not layer:
+        return []
+    compute = [(e.start, e.end) for e in layer if e.lane == "compute"]
+    link = [(e.start, e.end) for e in events if e.lane == LINK]
+    t0, t1 = min(e.start for e in layer), max(e.end for e in layer)
+
+    def row(name, kind, windows):
+        span = sum(b - a for a, b in windows)
+        busy = lambda spans: (sum(union_seconds(spans, a, b) for a, b in windows) / span
+                              if span > 0 else 0.0)
+        return {"phase": name, "kind": kind, "seconds": span, "compute_busy": busy(compute),
+                "link_busy": busy(link) if link else None}
+    ph = phases(layer)
+    rows = [row(label, kind, [(a, b)]) for kind, label, a, b in ph]
+    gaps, end = [], t0
+    for _, _, a, b in ph:
+        if a > end:
+            gaps.append((end, a))
+        end = max(end, b)
+    if gaps:
+        rows.append(row("between phases", "between", gaps))
+    rows.append(row("whole (traced)", "whole", [(t0, t1)]))
+    return rows
+
+
+def report_markdown(rows: Sequence[dict], rank: int = 0) -> str:
+    pct = lambda v: "-" if v is None else f"{v * 100:.0f}%"
+    out = [f"Where the time goes, rank {rank} (last iteration; link: the paced link's "
+           f"modelled transfers)", "",
+           "| phase | ms | compute busy | link busy |", "|---|---:|---:|---:|"]
+    out += [f"| {r['phase']} | {r['seconds'] * 1e3:.1f} | {pct(r['compute_busy'])} | "
+            f"{pct(r['link_busy'])} |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def timeline_figure(events: Sequence, title: str = ""):
     """The timeline as a matplotlib figure: one row per lane, every op a bar coloured by
     its strand with its name where it fits, the phases (F(1), F(k+1) ∥ B(k), B(N))
@@ -239,7 +305,8 @@ def timeline_figure(events: Sequence, title: str = ""):
         ax.barh(y, w, left=e.start * 1e3, height=0.6,
                 color=STRAND_COLORS.get(e.strand, "tab:gray"), edgecolor="black",
                 linewidth=0.3, zorder=2)
-        bars.append((e.op, e.start * 1e3, w, y))
+        if e.lane != LINK:
+            bars.append((e.op, e.start * 1e3, w, y))
     top = len(lanes) - 0.5
     kinds = []
     for i, (kind, label, t0, t1) in enumerate(phases(events)):
@@ -253,11 +320,13 @@ def timeline_figure(events: Sequence, title: str = ""):
         t_end = max(e.end for e in events) * 1e3
         ax.set_xlim(min(e.start for e in events) * 1e3, t_end if t_end > 0 else 1.0)
     ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels(lanes)
+    ax.set_yticklabels([f"{l} (modelled)" if l == LINK else l for l in lanes])
     ax.set_xlabel("ms")
     ax.set_title(title or "DHelix executor timeline (last iteration)")
     handles = [Patch(color=STRAND_COLORS["α"], label="α: forward ops"),
                Patch(color=STRAND_COLORS["β"], label="β: backward ops")]
+    if LINK in lanes:
+        handles.append(Patch(color=STRAND_COLORS[LINK], label="link: a transfer in flight"))
     handles += [Patch(color=PHASE_COLORS[k], alpha=0.6, label=PHASE_NAMES[k])
                 for k in PHASE_COLORS if k in kinds]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8,
@@ -293,10 +362,18 @@ def trace_files(path: str, rank: int = 0) -> Tuple[str, str]:
 
 
 def write_trace(events: Sequence, path: str, rank: int = 0) -> List[str]:
-    """Write this rank's Chrome trace JSON and PNG timeline (`trace_files`)."""
+    """Write this rank's Chrome trace JSON and PNG timeline (`trace_files`), and where
+    the time went per phase (`time_report`) as a markdown table beside them (.md), also
+    kept in the JSON's "otherData"."""
     jpath, ppath = trace_files(path, rank)
+    mpath = os.path.splitext(ppath)[0] + ".md"
     os.makedirs(os.path.dirname(os.path.abspath(jpath)), exist_ok=True)
+    rows = time_report(events)
+    trace = chrome_trace(events, rank)
+    trace["otherData"] = {"time_report": rows}
     with open(jpath, "w") as f:
-        json.dump(chrome_trace(events, rank), f)
+        json.dump(trace, f)
+    with open(mpath, "w") as f:
+        f.write(report_markdown(rows, rank))
     plot_timeline(events, ppath, f"DHelix executor timeline, rank {rank} (last iteration)")
-    return [jpath, ppath]
+    return [jpath, ppath, mpath]

@@ -282,6 +282,9 @@ def train(cfg: TrainConfig) -> dict:
     written = schedule.finish(info.rank)
     if written and rank0:
         print(f"dhelix train: trace of the last iteration: {', '.join(written)}")
+        for md in [w for w in written if w.endswith(".md")]:
+            with open(md) as f:
+                print(f.read(), end="")
     steady = (times[1:] if len(times) > 1 else times) or [float("nan")]
     act_peak = max(act_peaks, default=0)
     total_peak = max(total_peaks, default=0)
