@@ -246,7 +246,8 @@ def paced_link_events(tracer: "Tracer", events: Sequence[TraceEvent]) -> List[Tr
 def time_report(events: Sequence) -> List[dict]:
     """Where the time goes: per phase (`phases`), then the time between phases (the
     embedding, the loss and megatron's code around the layers) and the whole traced
-    span, how long it took and which share of it the compute lane and the link were
+    span, how long it took and which share of it the compute lane (DHelix's layer ops;
+    None between the phases, where megatron's untraced code runs) and the link were
     busy (the link: None without link events, i.e. not on the paced link)."""
     from dhelix.links.paced import union_seconds
     layer = [e for e in events if e.lane != LINK]
@@ -260,7 +261,9 @@ def time_report(events: Sequence) -> List[dict]:
         span = sum(b - a for a, b in windows)
         busy = lambda spans: (sum(union_seconds(spans, a, b) for a, b in windows) / span
                               if span > 0 else 0.0)
-        return {"phase": name, "kind": kind, "seconds": span, "compute_busy": busy(compute),
+        # between the phases megatron's own code computes (embedding, loss): not traced
+        return {"phase": name, "kind": kind, "seconds": span,
+                "compute_busy": None if kind == "between" else busy(compute),
                 "link_busy": busy(link) if link else None}
     ph = phases(layer)
     rows = [row(label, kind, [(a, b)]) for kind, label, a, b in ph]
@@ -277,8 +280,9 @@ def time_report(events: Sequence) -> List[dict]:
 
 def report_markdown(rows: Sequence[dict], rank: int = 0) -> str:
     pct = lambda v: "-" if v is None else f"{v * 100:.0f}%"
-    out = [f"Where the time goes, rank {rank} (last iteration; link: the paced link's "
-           f"modelled transfers)", "",
+    out = [f"Where the time goes, rank {rank} (last iteration; compute: DHelix's layer "
+           f"ops, megatron's embedding and loss between the phases are not traced; link: "
+           f"the paced link's modelled transfers)", "",
            "| phase | ms | compute busy | link busy |", "|---|---:|---:|---:|"]
     out += [f"| {r['phase']} | {r['seconds'] * 1e3:.1f} | {pct(r['compute_busy'])} | "
             f"{pct(r['link_busy'])} |" for r in rows]
@@ -303,8 +307,8 @@ def timeline_figure(events: Sequence, title: str = ""):
         y = lanes.index(e.lane)
         w = (e.end - e.start) * 1e3
         ax.barh(y, w, left=e.start * 1e3, height=0.6,
-                color=STRAND_COLORS.get(e.strand, "tab:gray"), edgecolor="black",
-                linewidth=0.3, zorder=2)
+                color=STRAND_COLORS.get(e.strand, "tab:gray"),
+                edgecolor="none" if e.lane == LINK else "black", linewidth=0.3, zorder=2)
         if e.lane != LINK:
             bars.append((e.op, e.start * 1e3, w, y))
     top = len(lanes) - 0.5
