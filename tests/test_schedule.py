@@ -80,8 +80,9 @@ def test_tp2_sp_matches_baseline(nmb):
 
 @pytest.mark.parametrize("nmb", [1, 3, 4])
 def test_halves_train_like_baseline(nmb):
-    """`--dhelix-halves` (F(1) and B(N) as two batch halves round-robin; F(N) and B(1)
-    op by op on both halves), tiny TP=2+SP, 10 steps, every rank, against megatron: at the
+    """`--dhelix-halves` (B(N) as two batch halves round-robin, F(N) op by op on both
+    halves; with 1 micro-batch F(1) is F(N)), tiny TP=2+SP, 10 steps, every rank, against
+    megatron: at the
     intra-batch peer's tolerances (losses ≤1e-5, gradient checksums ≤1e-4, final weights
     ≤1e-3), not bit for bit — a weight's gradient adds the halves' parts, a different
     rounding, which also shows that the halves ran (without them the runs are equal)."""
@@ -95,8 +96,8 @@ def test_halves_train_like_baseline(nmb):
 
 def test_halves_with_a_rotated_plan(tmp_path):
     """`--dhelix-halves` with a random plan whose β chain is rotated (`Plan.rotation`):
-    B(1)'s halves walk across two nodes in each co-step. 3 micro-batches, 10 steps, at
-    the halves' tolerances."""
+    F(3)'s halves, op by op, beside B(2)'s rotated walk across two nodes, then B(3)'s
+    halves alone. 3 micro-batches, 10 steps, at the halves' tolerances."""
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=10, micro_batch_size=2, global_batch_size=6)
     plan = _random_plan(tmp_path, "tiny", 7, 2, rotation=5)

@@ -51,8 +51,8 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "JSON and one PNG timeline per rank: PATH's stem + .rankN "
                         "(trace.json -> trace.rank0.json, trace.rank0.png, ...)")
     g.add_argument("--dhelix-halves", action="store_true",
-                   help="split the micro-batches of F(1) and B(N), the steps without a "
-                        "partner, in two batch halves run round-robin, so their comm hides "
+                   help="split the micro-batch of B(N), the last backward, which has no "
+                        "partner, in two batch halves run round-robin, so its comm hides "
                         "behind the other half's compute (needs an even "
                         "--micro-batch-size; not bit-identical to megatron: a weight's "
                         "gradient adds the halves' parts)")
@@ -112,10 +112,10 @@ def check_dhelix_args(args) -> None:
             ("--context-parallel-size > 1", (getattr(args, "context_parallel_size", 1) or 1) > 1))
             if yes]
         if bad:
-            raise DHelixArgError(f"--dhelix-halves splits the dense layers of F(1) and B(N) "
+            raise DHelixArgError(f"--dhelix-halves splits the dense layers of B(N) "
                                  f"(TP/SP/DP); not built with {', '.join(bad)}")
         if mbs is not None and mbs % 2:
-            raise DHelixArgError(f"--dhelix-halves splits the micro-batches of F(1) and B(N) "
+            raise DHelixArgError(f"--dhelix-halves splits the micro-batch of B(N) "
                                  f"in 2: --micro-batch-size must be even (got {mbs})")
     if pp > 1 and not fold:
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "

@@ -131,8 +131,8 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
                bool(m.num_experts or cfg.num_experts)), (f"--context-parallel-size {cp}",
                cp > 1), ("--dhelix-peer", bool(cfg.dhelix.get("peer")))) if yes]
         if not cfg.dhelix.get("enabled") or bad:
-            raise ConfigError(f"--dhelix-halves splits the dense layers of DHelix's F(1) "
-                              f"and B(N) (with --dhelix, TP/SP/DP); not built with "
+            raise ConfigError(f"--dhelix-halves splits the dense layers of DHelix's B(N) "
+                              f"(with --dhelix, TP/SP/DP); not built with "
                               f"{', '.join(bad) or 'megatron (add --dhelix)'}")
     vpp = 1
     if fold_layers:
