@@ -174,7 +174,8 @@ def chrome_trace(events: Sequence, rank: int = 0) -> dict:
     out.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                 "args": {"name": f"rank {rank}"}})
     for e in events:
-        out.append({"name": e.op, "ph": "X", "pid": rank, "tid": LINK_TID if e.lane == LINK else LANE_TID.get(e.lane, 3),
+        tid = LINK_TID if e.lane == LINK else LANE_TID.get(e.lane, 3)
+        out.append({"name": e.op, "ph": "X", "pid": rank, "tid": tid,
                     "ts": e.start * 1e6, "dur": max(e.end - e.start, 0) * 1e6,
                     "cat": e.strand,
                     "args": {"strand": e.strand, "microbatch": e.label, "lane": e.lane,
