@@ -42,12 +42,19 @@ class ActivationMeter:
             self.peak = max(self.peak, self.current)
         entry[1] += 1
         token = _Token()
-        weakref.finalize(token, self._release, key)
+        weakref.finalize(token, self._release, key, entry)
         return token
 
-    def _release(self, key):
-        entry = self.live.get(key)
-        if entry is None:
+    def forget(self, t: torch.Tensor) -> None:
+        """`t`'s storage is freed now (its holders keep only its metadata): stop counting
+        it, whatever tokens still name it."""
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            entry = self.live.pop(self._key(t), None)
+            if entry is not None:
+                self.current -= entry[0]
+
+    def _release(self, key, entry):
+        if self.live.get(key) is not entry:     # forgotten (freed), maybe its key reused
             return
         entry[1] -= 1
         if entry[1] == 0:

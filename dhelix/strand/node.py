@@ -27,6 +27,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from dhelix.base.memory import METER
+
 from dhelix.strand.lanes import Lanes
 from dhelix.strand.state import GradHandoffError, RngStates, StrandState
 
@@ -86,6 +88,13 @@ class LayerNode:
             if self.recompute:
                 S.retain("x")       # the ops' saved tensors go; the backward recomputes
         self.out = _join(outs).requires_grad_()
+        if len(outs) > 1:
+            # the tiles' outputs now live on in the joined copy; the last op's local graph
+            # keeps each tile's only as its autograd root, which needs no data: free them
+            # (else a tiled layer holds its output twice)
+            for o in outs:
+                METER.forget(o)
+                o.untyped_storage().resize_(0)
         return self.out
 
     def recompute_forward(self, tracer=None) -> None:
