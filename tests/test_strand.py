@@ -31,6 +31,18 @@ def test_random_plans_match_megatron(config, sp):
         assert res["multi_comm"] >= 10     # steps with several comms of one group run too
 
 
+@pytest.mark.parametrize("config,chunks", [("tiny", 2), ("tiny-llama", 4)])
+def test_chunked_mlp_matches_megatron(config, chunks):
+    """The MLP's forward in token chunks (`--dhelix-mlp-chunks`: each chunk's all-gather,
+    GEMMs and reduce-scatter): still megatron's layer bit for bit under every plan, with
+    biases (GeLU) and gated units (SwiGLU), and the chunks' collectives in the chains."""
+    for res in run_ranks(layer_fns.check_plans, 2, timeout=300, config=config, tp=2,
+                         sp=True, nplans=RANDOM_PLANS // 2, mlp_chunks=chunks):
+        assert res["nplans"] == RANDOM_PLANS // 2 + 3 and res["distinct"] == res["nplans"]
+        # every chunk adds fc1, act, fc2 and both collectives; the backward is unchanged
+        assert res["num_ops"][0] == 14 + 5 * (chunks - 1) and res["num_ops"][1] == 20
+
+
 def test_tp1_matches_megatron():
     res = run_ranks(layer_fns.check_plans, 1, timeout=200, config="tiny-llama", tp=1,
                     sp=False, nplans=RANDOM_PLANS_TP1)[0]

@@ -56,6 +56,12 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "behind the other half's compute (needs an even "
                         "--micro-batch-size; not bit-identical to megatron: a weight's "
                         "gradient adds the halves' parts)")
+    g.add_argument("--dhelix-mlp-chunks", type=int, default=1, metavar="C",
+                   help="run each DHelix layer's MLP forward in C token chunks (C > 1 needs "
+                        "TP > 1 with --sequence-parallel and a dense MLP): chunk c's "
+                        "all-gather runs beside chunk c-1's GEMMs and its reduce-scatter "
+                        "beside chunk c+1's, so the link has work while the other strand "
+                        "has none; bit-identical to megatron (default 1: unchunked)")
     g.add_argument("--dhelix-peer", choices=["intra-batch"], default=None,
                    help="instead of DHelix, the intra-batch overlap peer (for comparison): "
                         "each micro-batch split in two halves, interleaved round-robin")
@@ -82,6 +88,8 @@ def check_dhelix_args(args) -> None:
         for name in ("dhelix_plan", "dhelix_overlap_table", "dhelix_trace", "dhelix_halves"):
             if getattr(args, name, None):
                 raise DHelixArgError(f"--{name.replace('_', '-')} needs --dhelix")
+        if (getattr(args, "dhelix_mlp_chunks", 1) or 1) != 1:
+            raise DHelixArgError("--dhelix-mlp-chunks needs --dhelix")
         return
     for name, what in (("dhelix_plan", "plan"), ("dhelix_overlap_table", "overlap table"),
                        ("dhelix_cluster", "cluster file")):
@@ -117,11 +125,39 @@ def check_dhelix_args(args) -> None:
         if mbs is not None and mbs % 2:
             raise DHelixArgError(f"--dhelix-halves splits the micro-batch of B(N) "
                                  f"in 2: --micro-batch-size must be even (got {mbs})")
+    _check_mlp_chunks(args)
     if pp > 1 and not fold:
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
                              "U-folded pipeline: add --dhelix-fold")
     _check_moe(args)
     _check_recompute(args)
+
+
+def _check_mlp_chunks(args) -> None:
+    """--dhelix-mlp-chunks C: a dense MLP with sequence parallel, whose every rank's
+    sequence shard splits into C equal parts."""
+    c = getattr(args, "dhelix_mlp_chunks", 1)
+    c = 1 if c is None else c
+    if c < 1:
+        raise DHelixArgError(f"--dhelix-mlp-chunks {c}: give a chunk count >= 1")
+    if c == 1:
+        return
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    bad = [flag for flag, yes in (
+        ("--tensor-model-parallel-size 1", tp == 1),
+        ("no --sequence-parallel", not getattr(args, "sequence_parallel", False)),
+        ("--num-experts", bool(getattr(args, "num_experts", None)))) if yes]
+    if bad:
+        raise DHelixArgError(f"--dhelix-mlp-chunks {c} pipelines a dense MLP's sequence-"
+                             f"parallel all-gather and reduce-scatter; not with "
+                             f"{', '.join(bad)} (use --dhelix-mlp-chunks 1)")
+    seq = getattr(args, "seq_length", None)
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if seq and (seq // cp // tp) % c:
+        raise DHelixArgError(f"--dhelix-mlp-chunks {c} splits each rank's {seq // cp // tp} "
+                             f"sequence rows (--seq-length {seq} / TP {tp}"
+                             f"{f' / CP {cp}' if cp > 1 else ''}) in equal parts: choose a "
+                             f"chunk count that divides {seq // cp // tp}")
 
 
 def _check_recompute(args) -> None:

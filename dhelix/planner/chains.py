@@ -19,13 +19,16 @@ from dhelix.planner.opspec import COMM, COMPUTE, OpSpec
 def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
                  ep_lane: str = "intra",
                  shared_experts: bool = False, cp: int = 1,
-                 cp_lane: str = "intra") -> Tuple[List[OpSpec], List[OpSpec]]:
+                 cp_lane: str = "intra",
+                 mlp_chunks: int = 1) -> Tuple[List[OpSpec], List[OpSpec]]:
     """(forward, backward) OpSpecs of a layer with TP `tp` (sequence parallel `sp`); TP
     collectives run on `lane` (intra or inter, by the TP group's node membership). With
     `moe` the MLP is megatron's MoE block with the all-to-all dispatcher (experts not
     TP-split: expert-tensor-parallel 1), its all-to-alls on `ep_lane`. With context
-    parallel `cp` > 1 the attention core is a ring (`ring_chains`) on `cp_lane`."""
+    parallel `cp` > 1 the attention core is a ring (`ring_chains`) on `cp_lane`. With
+    `mlp_chunks` > 1 the dense MLP's forward runs in that many token chunks (module doc)."""
     sp = sp and tp > 1
+    check_mlp_chunks(mlp_chunks, sp, moe)
 
     def C(name, **kw):
         return OpSpec(name, COMPUTE, "compute", **kw)
@@ -45,8 +48,15 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
     f_core, b_core = ring_chains(cp, cp_lane) if cp > 1 else ([C("attn")], [C("attn_b")])
     f_attn = [C("ln_attn"), *gather("ag_attn"), C("qkv"), *f_core, C("proj"),
               *reduce_out("attn"), C("bda_attn")]
-    f = f_attn + [C("ln_mlp"), *gather("ag_mlp"), C("fc1"), C("act"), C("fc2"),
-                  *reduce_out("mlp"), C("bda_mlp")]
+    if mlp_chunks > 1:
+        ch = range(mlp_chunks)
+        mlp = [M(f"ag_mlp.{c}", "all_gather", reader=f"fc1.{c}") for c in ch]
+        for c in ch:
+            mlp += [C(f"fc1.{c}"), C(f"act.{c}"), C(f"fc2.{c}"),
+                    M(f"rs_mlp.{c}", "reduce_scatter", reader="bda_mlp")]
+    else:
+        mlp = [*gather("ag_mlp"), C("fc1"), C("act"), C("fc2"), *reduce_out("mlp")]
+    f = f_attn + [C("ln_mlp"), *mlp, C("bda_mlp")]
 
     def column_backward(part, grad_op, lin):
         after = grad_op
@@ -69,6 +79,23 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
         f_moe, b_moe = moe_chains(ep_lane, shared_experts)
         return f_attn + f_moe, b_moe + b_attn
     return f, b
+
+
+def check_mlp_chunks(mlp_chunks, sp: bool, moe: bool) -> None:
+    """MLP chunks need the gathers and reduce-scatters of sequence parallel, and a dense
+    MLP (a MoE block's tokens are routed, not gathered)."""
+    if isinstance(mlp_chunks, bool) or not isinstance(mlp_chunks, int) or mlp_chunks < 1:
+        raise ValueError(f"MLP chunks must be an integer >= 1, got {mlp_chunks!r}")
+    if mlp_chunks > 1 and (moe or not sp):
+        raise ValueError(f"MLP chunks ({mlp_chunks}) pipeline a dense MLP's sequence-parallel "
+                         f"all-gather and reduce-scatter: they need TP > 1 with sequence "
+                         f"parallel and no MoE (use 1 chunk otherwise)")
+
+
+def chunk_of(name: str) -> Tuple[str, int]:
+    """An op name's base and chunk: "fc1.1" -> ("fc1", 1); unchunked "fc1" -> ("fc1", -1)."""
+    base, dot, c = name.rpartition(".")
+    return (base, int(c)) if dot and c.isdigit() else (name, -1)
 
 
 def moe_chains(ep_lane: str, shared_experts: bool = False

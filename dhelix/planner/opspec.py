@@ -29,9 +29,12 @@ class OpSpec:
     temp_bytes: float = 0.0        # transient bytes alive only while the op runs
     after: Optional[str] = None    # wgrad ops: the dgrad op they must follow
     wgrad: bool = False            # deferrable weight-gradient op
+    reader: Optional[str] = None   # comm ops: the op that reads the result, where it is not
+                                   # the chain's next non-wgrad op (a chunked MLP's gathers)
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items()}
+        # `reader` only where set: the chains without chunks keep their old signatures
+        return {k: v for k, v in asdict(self).items() if k != "reader" or v is not None}
 
     @staticmethod
     def from_json(d: dict) -> "OpSpec":
@@ -47,7 +50,7 @@ class LayerOps:
     def signature(self) -> str:
         """Hash of the chains' structure and shapes: a plan or table is tied to it."""
         payload = json.dumps(
-            {"f": [asdict(o) for o in self.forward], "b": [asdict(o) for o in self.backward]},
+            {"f": [o.to_json() for o in self.forward], "b": [o.to_json() for o in self.backward]},
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -137,11 +137,15 @@ def _moe_estimates(cfg, z, Tl, g, ew):
 def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> LayerOps:
     """Fill the chains' OpSpecs with the estimates for this shape (`s`: the global
     sequence length; with context parallel `cp` each rank holds s/cp tokens)."""
+    from dhelix.planner.chains import chunk_of
     est = op_estimates(cfg, tp, sp, s, b, cp)
     dt = _sizes(cfg, tp, sp, s, b, cp)["dt"]
+    # a chunked MLP's op ("fc1.0") does its unchunked op's work over 1/C of the tokens
+    chunks = 1 + max([chunk_of(o.name)[1] for o in forward] + [0])
 
     def fill(spec):
-        fl, cb, sb = est[spec.name]
+        base, c = chunk_of(spec.name)
+        fl, cb, sb = (v / chunks for v in est[base]) if c >= 0 else est[spec.name]
         return replace(spec, flops=float(fl), comm_bytes=float(cb), saved_bytes=float(sb),
                        temp_bytes=float(cb) if cb else 0.0)
     lo = LayerOps([fill(o) for o in forward], [fill(o) for o in backward])
@@ -150,6 +154,8 @@ def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> Laye
     if getattr(cfg, "num_experts", None):
         lo.shape.update(experts=cfg.num_experts, topk=cfg.moe_router_topk, ep=ep,
                         routing="balanced expectation")
+    if chunks > 1:
+        lo.shape["mlp_chunks"] = chunks
     return lo
 
 
@@ -189,7 +195,7 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
                         micro_batch_size: int, bf16: bool = False,
                         lane: str = "intra", ep: int = 1,
                         ep_lane: str = "intra", cp: int = 1,
-                        cp_lane: str = "intra") -> LayerOps:
+                        cp_lane: str = "intra", mlp_chunks: int = 1) -> LayerOps:
     """The same LayerOps a live DHelix layer of this shape reports, without building it
     or any process group: for planning and simulating models and clusters you do not
     have (`dhelix plan --config llama-8b --cluster h100`). `seq_length` is the global
@@ -220,11 +226,20 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
         raise ValueError(f"sequence parallel splits each CP rank's {seq_length // cp} tokens "
                          f"(sequence length {seq_length} / CP={cp}) over TP={tp}; choose a "
                          f"sequence length that is a multiple of {2 * cp * tp}, for example")
+    check_mlp_chunk_rows(seq_length // cp // tp if sp else seq_length // cp, mlp_chunks)
     fwd, bwd = layer_chains(tp, sp, lane, moe=moe, ep_lane=ep_lane,
                             shared_experts=bool(model_cfg.moe_shared_expert_intermediate_size),
-                            cp=cp, cp_lane=cp_lane)
+                            cp=cp, cp_lane=cp_lane, mlp_chunks=mlp_chunks)
     return estimate_layer_ops(fwd, bwd, LayerShape.of_model(model_cfg, bf16), tp, sp,
                               seq_length, micro_batch_size, ep, cp=cp)
+
+
+def check_mlp_chunk_rows(rows: int, mlp_chunks: int) -> None:
+    """Each chunk of a chunked MLP takes an equal part of a rank's sequence shard."""
+    if mlp_chunks > 1 and rows % mlp_chunks:
+        raise ValueError(f"MLP chunks ({mlp_chunks}) split each rank's {rows} sequence rows "
+                         f"in equal parts: choose a chunk count that divides {rows}, or a "
+                         f"sequence length that makes it divide")
 
 
 def check_context_parallel(seq_length: int, cp: int) -> None:

@@ -32,8 +32,8 @@ A step is replayed the way the executor (`strand.executor.execute_step`) runs it
   saved_bytes`` when it ends. Events are applied in time order (frees before
   allocations at equal times); the peak is taken after every allocation.
 
-Which op reads a comm op's result (`comm_readers`): the next op of its chain that is not
-a wgrad op; for a comm op that is itself a wgrad op (the re-gather of a wgrad's input),
+Which op reads a comm op's result (`comm_readers`): the op its `reader` names (a chunked
+MLP's gathers and reduce-scatters), else the next op of its chain that is not a wgrad op; for a comm op that is itself a wgrad op (the re-gather of a wgrad's input),
 the wgrad op that names it in `after`. A ring exchange of context parallel (group "cp")
 is issued one attention step ahead: it runs under the `attn_i`/`attn_b_i` that follows
 it and is read by the op after that step (the next exchange, which forwards the block, or
@@ -290,7 +290,9 @@ def comm_readers(chain) -> List[int]:
     for c, o in enumerate(chain):
         if o.lane == "compute":
             continue
-        if o.wgrad:
+        if o.reader is not None:
+            out[c] = next(k for k in range(c + 1, len(chain)) if chain[k].name == o.reader)
+        elif o.wgrad:
             out[c] = next((k for k in range(c + 1, len(chain)) if chain[k].after == o.name),
                           -1)
         else:

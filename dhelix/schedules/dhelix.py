@@ -52,6 +52,10 @@ class DHelixSchedule:
         """`chunks`: the model, or the list of this rank's model chunks."""
         chunks = chunks if isinstance(chunks, list) else [chunks]
         self.lanes = make_lanes(next(chunks[0].parameters()).device)
+        # the layers' op chains (`--dhelix-mlp-chunks`), read when a program is built
+        for c in chunks:
+            for layer in [m for m in c.modules() if isinstance(m, DHelixLayer)]:
+                layer.dhelix_mlp_chunks = int(self.options.get("mlp_chunks") or 1)
 
     def check(self, chunks, seq_length, micro_batch_size):
         """Validate the plan against every DHelix layer now, before the first step."""

@@ -94,7 +94,7 @@ class MoEProgram(LayerProgram):
 
     def _chains(self):
         return layer_chains(self.tp, self.sp, self.lane, moe=True, ep_lane=self.ep_lane,
-                            shared_experts=self.shared)
+                            shared_experts=self.shared, mlp_chunks=self.chunks)
 
     def _mlp_fns(self) -> Dict[str, Callable]:
         return {

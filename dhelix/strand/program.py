@@ -10,6 +10,13 @@ TP collectives are explicit comm ops on the lanes, never inside a linear.
 With sequence parallel the column-parallel linears keep only their local input for the
 weight gradient and gather it again in backward (`ag_*_w`), as megatron does, so
 DHelix saves no more activations than megatron.
+
+A chunked MLP (`mlp_chunks` C > 1, `planner.chains`) gathers each rank's shard in C row
+chunks; chunk c of the gathered tensor holds every rank's c-th part, rank by rank. The
+MLP is row-wise and a GEMM's rows do not depend on the others, so each chunk's values are
+the unchunked ones; where a sum runs over the tokens (the weight gradient of fc2, the
+bias gradient of fc1's activation) the chunks are put back in megatron's row order first
+(`_join`), so that sum is megatron's too.
 """
 from __future__ import annotations
 
@@ -50,6 +57,20 @@ def _wgrad(g: torch.Tensor, x: torch.Tensor):
         g = g.view(g.shape[0] * g.shape[1], g.shape[2])
         x = x.view(x.shape[0] * x.shape[1], x.shape[2])
     return g, g.t().matmul(x)
+
+
+def _part(t: torch.Tensor, tp: int, C: int, c: int) -> torch.Tensor:
+    """Chunk c of a gathered tensor in megatron's row order ([s, ...], s = tp·C·m): every
+    rank's c-th block of m rows, rank by rank ([tp·m, ...], what chunk c's ops see)."""
+    m = t.shape[0] // (tp * C)
+    return t.view(tp, C, m, *t.shape[1:])[:, c].reshape(tp * m, *t.shape[1:])
+
+
+def _join(parts: List[torch.Tensor], tp: int) -> torch.Tensor:
+    """The chunks ([tp·m, ...] each) back in megatron's row order ([tp·C·m, ...])."""
+    m = parts[0].shape[0] // tp
+    rest = parts[0].shape[1:]
+    return torch.stack([p.view(tp, m, *rest) for p in parts], 1).reshape(-1, *rest)
 
 
 def mlp_activation(cfg, x, bias, activation_func):
@@ -122,6 +143,9 @@ class LayerProgram:
         if not attn.linear_proj.skip_bias_add:
             raise ValueError("DHelix layer expects megatron's skip_bias_add linear_proj")
         self._bind_mlp(layer.mlp)
+        # chunks of the MLP's forward (`planner.chains`), set on the layer by the schedule
+        # (`--dhelix-mlp-chunks`) or the profiler before its program is built
+        self.chunks = int(getattr(layer, "dhelix_mlp_chunks", 1) or 1)
         self.recompute = recompute_of(layer)     # None | "full" | "selective"
         if self.recompute and (self.ring is not None or type(self) is not LayerProgram):
             raise ValueError(f"activation recompute ({self.recompute}) of a DHelix layer with "
@@ -173,17 +197,49 @@ class LayerProgram:
             "ar_attn_b": self._allreduce("g_ln1_full", "g_ln1", "ar_attn_b"),
         }
         fns.update(self._mlp_fns())
+        if self.chunks > 1:
+            fns.update(self._chunk_fns())
         if self.ring is not None:
             fns.update(self.ring.fns())
         return [Op(o, fns[o.name]) for o in fwd], [Op(o, fns[o.name]) for o in bwd]
 
     def _chains(self):
         return layer_chains(self.tp, self.sp, self.lane, cp=self.cp,
-                            cp_lane=self.ring.ring.lane if self.ring else "intra")
+                            cp_lane=self.ring.ring.lane if self.ring else "intra",
+                            mlp_chunks=self.chunks)
 
     def _mlp_fns(self) -> Dict[str, Callable]:
         """Ops of the MLP part beyond the shared ones (none for the dense layer)."""
         return {}
+
+    def _chunk_fns(self) -> Dict[str, Callable]:
+        """The chunked MLP's forward ops (`planner.chains`): chunk c gathers rows
+        [c·m, (c+1)·m) of every rank's shard."""
+        C = self.chunks
+        fns = {}
+        for c in range(C):
+            def gather(S, c=c):
+                x = S.get("ln2")
+                m = x.shape[0] // C
+                S.put(f"ln2_full.{c}", S.lanes.all_gather(f"ag_mlp.{c}", x[c * m:(c + 1) * m],
+                                                         self.group, self.lane))
+
+            def fc1(S, c=c):
+                S.put(f"fc1_out.{c}", torch.matmul(S.get(f"ln2_full.{c}"), self.w_fc1.t()))
+                S.drop(f"ln2_full.{c}")
+
+            def act(S, c=c):
+                S.put(f"act.{c}", self._local(S, f"fc1_out.{c}", f"g:act.{c}",
+                                              self._activation, owned=True))
+                S.drop(f"fc1_out.{c}")
+
+            def fc2(S, c=c):
+                S.put(f"fc2_out.{c}", torch.matmul(S.get(f"act.{c}"), self.w_fc2.t()))
+            fns.update({f"ag_mlp.{c}": gather, f"fc1.{c}": fc1, f"act.{c}": act,
+                        f"fc2.{c}": fc2,
+                        f"rs_mlp.{c}": self._rscatter(f"fc2_out.{c}", f"mlp_out.{c}",
+                                                      f"rs_mlp.{c}")})
+        return fns
 
     # ---- comm ops ------------------------------------------------------------------------
     def _gather(self, src, dst, op):
@@ -294,6 +350,10 @@ class LayerProgram:
               torch.matmul(S.get("act"), self.w_fc2.t()))
 
     def _bda_mlp(self, S):
+        if self.chunks > 1:      # each chunk's reduce-scatter: the rank's rows of it, in order
+            keys = [f"mlp_out.{c}" for c in range(self.chunks)]
+            S.put("mlp_out", torch.cat([S.get(k) for k in keys]))
+            S.drop(*keys)
         S.put("out", self._bda(S, "mlp_out", "h1", self.b_fc2, self.layer.mlp_bda, "g:bda2"))
 
     # ---- backward compute ------------------------------------------------------------------
@@ -318,12 +378,25 @@ class LayerProgram:
         S.put("g_act", g.matmul(self.w_fc2))
 
     def _fc2_wgrad(self, S):
-        _, gw = _wgrad(S.get("g_fc2_out" if self.sp else "g_mlp_out"), S.get("act"))
+        if self.chunks > 1:
+            keys = [f"act.{c}" for c in range(self.chunks)]
+            act = _join([S.get(k) for k in keys], self.tp)
+            S.drop(*keys)
+        else:
+            act = S.get("act")
+        _, gw = _wgrad(S.get("g_fc2_out" if self.sp else "g_mlp_out"), act)
         S.acc_grad(self.w_fc2, gw)
         S.drop("act", "g_fc2_out", "g_mlp_out")
 
     def _act_b(self, S):
-        (g,) = self._grad(S, "g:act", S.get("g_act"), [self.b_fc1])
+        if self.chunks > 1:
+            g_act = S.get("g_act")
+            g = _join([self._grad(S, f"g:act.{c}", _part(g_act, self.tp, self.chunks, c),
+                                  [])[0] for c in range(self.chunks)], self.tp)
+            if self.b_fc1 is not None:   # summed over the tokens as autograd's add does
+                S.acc_grad(self.b_fc1, g.sum_to_size(self.b_fc1.shape))
+        else:
+            (g,) = self._grad(S, "g:act", S.get("g_act"), [self.b_fc1])
         S.put("g_fc1_out", g)
         S.drop("g_act")
 
@@ -394,6 +467,8 @@ class LayerProgram:
     def layer_ops(self, seq_length: int, micro_batch_size: int) -> LayerOps:
         """OpSpecs with FLOP/byte estimates for this layer at a given input shape; the
         signature ties plans and tables to the shape, dtype and parallel sizes."""
+        from dhelix.planner.shapes import check_mlp_chunk_rows
+        check_mlp_chunk_rows(seq_length // self.cp // (self.tp if self.sp else 1), self.chunks)
         return estimate_layer_ops([o.spec for o in self.forward_ops],
                                   [o.spec for o in self.backward_ops], LayerShape.of(self.cfg),
                                   self.tp, self.sp, seq_length, micro_batch_size,

@@ -291,6 +291,9 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
         check_load(cfg, m)
     if cfg.compute != "none":
         from dhelix.train import emulate
+        if (cfg.dhelix.get("mlp_chunks") or 1) > 1:
+            raise ConfigError("--compute paced:... waits out each op of the emulated layer; "
+                              "its chains have no MLP chunks: drop --dhelix-mlp-chunks")
         emu = emulate.parse(cfg.compute, cfg.emulate)
         emulate._cluster(emu.cluster)
         load_model_config(emu.model)
@@ -307,6 +310,7 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
         from dhelix.planner.plan import Plan, validate
         from dhelix.planner.shapes import layer_ops_for_shape
         ops = layer_ops_for_shape(m, layout.tp, cfg.sequence_parallel, cfg.seq_length,
-                                  cfg.micro_batch_size, bf16=cfg.bf16, cp=layout.cp)
+                                  cfg.micro_batch_size, bf16=cfg.bf16, cp=layout.cp,
+                                  mlp_chunks=dh.get("mlp_chunks") or 1)
         validate(Plan.load(plan), ops, plan)
     return warnings
