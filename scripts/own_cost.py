@@ -18,6 +18,15 @@ import sys
 import tempfile
 
 
+def _chunks(plan: str) -> list:
+    """`--dhelix-mlp-chunks C` for a plan file made for a layer with its MLP in chunks
+    (`dhelix plan --dhelix-mlp-chunks C` records the shape in the plan's meta)."""
+    if not plan.endswith(".json"):
+        return []
+    c = json.load(open(plan)).get("meta", {}).get("shape", {}).get("mlp_chunks", 1)
+    return ["--dhelix-mlp-chunks", str(c)] if c > 1 else []
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,7 +52,7 @@ def main():
                        str(a.train_iters), "--log-interval", str(a.train_iters),
                        "--data", "synthetic", "--link", link, "--json", out]
                 if method != "megatron":
-                    cmd += ["--dhelix", "--dhelix-plan", method]
+                    cmd += ["--dhelix", "--dhelix-plan", method] + _chunks(method)
                 subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
                 got[method] = statistics.median(json.load(open(out))["step_times_s"][1:])
             mg = got["megatron"]

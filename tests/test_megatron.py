@@ -90,3 +90,31 @@ def test_halves_checked_before_training():
                                context_parallel_size=2))
     with pytest.raises(DHelixArgError, match="--dhelix-halves needs --dhelix"):
         check_dhelix_args(args("--dhelix-halves"))
+
+
+def test_mlp_chunks_checked_before_training():
+    """`--dhelix-mlp-chunks C`: TP > 1 with sequence parallel, a dense MLP, C dividing each
+    rank's sequence rows, and --dhelix; each refusal names the flag and the fix."""
+    import pytest
+    from dhelix.megatron.args import DHelixArgError, check_dhelix_args
+
+    def args(*argv, **extra):
+        a = _args(*argv)
+        for k, v in dict(dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                              seq_length=64), **extra).items():
+            setattr(a, k, v)
+        return a
+    check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "4"))
+    with pytest.raises(DHelixArgError, match="not with no --sequence-parallel"):
+        check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "2", sequence_parallel=False))
+    with pytest.raises(DHelixArgError, match="--tensor-model-parallel-size 1"):
+        check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "2",
+                               tensor_model_parallel_size=1))
+    with pytest.raises(DHelixArgError, match="--num-experts"):
+        check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "2", num_experts=4))
+    with pytest.raises(DHelixArgError, match="divides 32"):
+        check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "3"))
+    with pytest.raises(DHelixArgError, match="chunk count >= 1"):
+        check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "0"))
+    with pytest.raises(DHelixArgError, match="--dhelix-mlp-chunks needs --dhelix"):
+        check_dhelix_args(args("--dhelix-mlp-chunks", "2"))

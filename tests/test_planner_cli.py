@@ -229,3 +229,24 @@ def test_plan_sweep_reports_failing_combinations(tmp_path, capsys):
     rows = json.load(open(js))["rows"]
     assert "error" in rows[0] and "num_attention_heads" in rows[0]["error"]
     assert "speedup" in rows[1] and os.path.exists(png)
+
+
+def test_plan_and_simulate_a_chunked_mlp(tmp_path, capsys):
+    """`--dhelix-mlp-chunks 2`: the plan covers the chunked chains, its meta keeps the
+    shape (so `simulate` replays it without the flag); without sequence parallel it is a
+    one-line error naming the config and the fix."""
+    out = str(tmp_path / "c2.json")
+    rc, stdout, err = run(["plan", *TINY, "--dhelix-mlp-chunks", "2", "--cluster", "a800",
+                           "--out", out], capsys)
+    assert rc == 0, err
+    p = Plan.load(out)
+    assert p.meta["shape"]["mlp_chunks"] == 2 and "MLP in 2 chunks" in stdout
+    assert {"ag_mlp.0", "ag_mlp.1", "rs_mlp.1"} <= set(p.forward)
+    validate(p, layer_ops_for_shape(load_model_config("tiny"), 2, True, 128, 2,
+                                    mlp_chunks=2))
+    rc, stdout, err = run(["simulate", out, "--cluster", "a800"], capsys)
+    assert rc == 0, err
+    assert "MLP in 2 chunks" in stdout and "planner said:" in stdout
+    rc, _, err = run(["plan", "--config", "tiny", "--tensor-model-parallel-size", "2",
+                      "--dhelix-mlp-chunks", "2", "--cluster", "a800", "--out", out], capsys)
+    assert rc == 2 and "sequence parallel" in err and len(err.strip().splitlines()) == 1

@@ -6,12 +6,14 @@ import time
 
 import pytest
 
+from dhelix.models.config import load_model_config
 from dhelix.planner import dp
 from dhelix.planner import enumerate as enumerate_
 from dhelix.planner.costmodel import analytical_table, load_cluster
 from dhelix.planner.example_layer import random_layer, random_table, tp_sp_layer
 from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
 from dhelix.planner.plan import PlanError, trivial_plan, validate
+from dhelix.planner.shapes import layer_ops_for_shape
 from dhelix.planner.simulate import simulate
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -172,6 +174,41 @@ def test_carried_dp_cpp_equals_python_and_its_own_replay(cpp_core):
         assert p.meta["predicted_s"] == min(a[0], bar)
         kept += a[0] < bar
     assert kept > 0
+
+
+def test_chunked_mlp_readers_and_backends(cpp_core):
+    """A layer whose MLP forward runs in chunks (`layer_chains(mlp_chunks=C)`): each chunk's
+    gather is read by its fc1 and each reduce-scatter by bda_mlp (`OpSpec.reader`, not the
+    next op); both DPs give the same steps and bit-identical times in C++ and Python; the
+    unchunked chains keep their signature (no `reader` in their JSON)."""
+    from dhelix.planner.simulate import LaneModel, comm_readers
+    m = load_model_config("small16")
+    plain = layer_ops_for_shape(m, 2, True, 128, 4)
+    assert all("reader" not in o for o in plain.to_json()["forward"])
+    for C in (2, 4):
+        layer = layer_ops_for_shape(m, 2, True, 128, 4, mlp_chunks=C)
+        names = [o.name for o in layer.forward]
+        rd = comm_readers(layer.forward)
+        for c in range(C):
+            assert names[rd[names.index(f"ag_mlp.{c}")]] == f"fc1.{c}"
+            assert names[rd[names.index(f"rs_mlp.{c}")]] == "bda_mlp"
+        # the chunks share the unchunked op's work
+        by = {o.name: o for o in layer.forward}
+        unc = {o.name: o for o in plain.forward}
+        assert sum(by[f"fc1.{c}"].flops for c in range(C)) == pytest.approx(unc["fc1"].flops)
+        assert by["ag_mlp.0"].comm_bytes * C == pytest.approx(unc["ag_mlp"].comm_bytes)
+        assert layer.signature() != plain.signature()
+        table = _a800_table(layer, tp=2)
+        model = LaneModel(layer, table)
+        L = dp._Legality(layer)
+        for solve in ("solve", "solve_carry"):
+            a = getattr(dp._PyProblem(model, L), solve)()
+            b = getattr(dp._cpp_problem(model, L), solve)()
+            assert a[0] == b[0] and [tuple(s) for s in a[1]] == [tuple(s) for s in b[1]]
+    with pytest.raises(ValueError, match="sequence parallel"):
+        layer_ops_for_shape(m, 2, False, 128, 4, mlp_chunks=2)
+    with pytest.raises(ValueError, match="divides 64"):
+        layer_ops_for_shape(m, 2, True, 128, 4, mlp_chunks=3)
 
 
 def _a800_table(layer, tp=8):

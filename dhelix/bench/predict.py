@@ -8,14 +8,19 @@ from typing import Dict
 from dhelix.links import parse_link
 
 
-def layer_costs(a, cfg, cost_source):
+def layer_costs(a, cfg, cost_source, chunks=None):
     """The bench's layer (LayerOps) and the costs its planned runs used: the profiled
-    table, or the analytical model of this machine."""
+    table, or the analytical model of this machine. `chunks`: the layer's MLP chunks
+    (default: the planned runs' for a table that is theirs, `--dhelix-mlp-chunks`)."""
     from dhelix.planner.problem import layer_for_shape, load_costs
     tp = a.tensor_model_parallel_size
+    if chunks is None:
+        chunks = getattr(a, "dhelix_mlp_chunks", 1) if cost_source.endswith("-chunks.json") \
+            else 1
     shape = {"config": cfg, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
              "mbs": a.micro_batch_size, "bf16": False, "lane": "intra",
-             "ep": a.expert_model_parallel_size, "cp": a.context_parallel_size}
+             "ep": a.expert_model_parallel_size, "cp": a.context_parallel_size,
+             "mlp_chunks": chunks}
     layer = layer_for_shape(shape)
     table = cost_source if cost_source.endswith(".json") else None
     costs, _ = load_costs(layer, shape, table, None if table else cost_source, False)
@@ -31,11 +36,12 @@ def layer_prediction(a, cfg, cost_source) -> float:
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
-def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
+def step_predictions(a, cfg, cost_source, planned=None) -> Dict[str, object]:
     """method -> the whole step the simulator predicts for it (`planner.whole_step`), from
-    the profiled table the planned run used: its layer costs and its step extras
-    (embedding, loss, optimizer, finalize, measured with it). Empty for the analytical
-    model or a table without extras."""
+    the profiled table: its layer costs and its step extras (embedding, loss, optimizer,
+    finalize, measured with it); the planned run's from `planned` (the table of its
+    chunked layer, `--dhelix-mlp-chunks`) where given. Empty for the analytical model or a
+    table without extras."""
     if not cost_source.endswith(".json"):
         return {}
     from dhelix.models.config import load_model_config
@@ -47,10 +53,12 @@ def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
     if ex is None:
         return {}
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
+    pl, pc = (layer, costs) if not planned or planned == cost_source else \
+        layer_costs(a, cfg, planned)
     return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
             "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
-            "dhelix-plan": simulate_step(layer, dp.plan(layer, costs, rotate=True,
-                                                        num_layers=L), costs, L, N, ex)}
+            "dhelix-plan": simulate_step(pl, dp.plan(pl, pc, rotate=True, num_layers=L),
+                                         pc, L, N, pc.step_extras or ex)}
 
 
 def pp_simulate(a, cfg, link, cost_source) -> dict:

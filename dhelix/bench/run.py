@@ -64,6 +64,7 @@ class BenchOptions:
     rounds: int = 1                           # every method this many times, alternating
     planner_source: str = "table"             # "table" (profiled) or "analytical"
     profile_repeats: int = 3
+    dhelix_mlp_chunks: int = 1                # > 1: the planned runs' MLP in chunks
     compute: str = "none"                     # paced:CLUSTER[,x=F]: emulated time
     emulate: str = ""                         # the emulated shape (with compute)
     out: str = "bench"                        # prefix for .md, .json and .png
@@ -155,6 +156,8 @@ def _argv(a, cfg, out_json, method, cluster, trace):
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
         if method == "dhelix-halves":
             argv += ["--dhelix-halves"]
+        if a.dhelix_mlp_chunks > 1:
+            argv += ["--dhelix-mlp-chunks", str(a.dhelix_mlp_chunks)]
     if dp > 1 and a.expert_model_parallel_size == 1 and cp == 1:
         # dense DP: megatron's bucketed grad reduce overlapped, in every method
         argv += ["--overlap-grad-reduce"]
@@ -214,8 +217,9 @@ def _emulated_nodes(a, emu) -> Dict[str, str]:
     return {"DHELIX_NODE_IDS": ",".join(map(str, emulated.node_ids(a, _cluster(emu.cluster))))}
 
 
-def _profile_argv(a, cfg, out_table):
-    return ["profile", "--config", cfg, "--tensor-model-parallel-size",
+def _profile_argv(a, cfg, out_table, chunks=1):
+    return ["profile", "--config", cfg, "--dhelix-mlp-chunks", str(chunks),
+            "--tensor-model-parallel-size",
             str(a.tensor_model_parallel_size), "--sequence-parallel", "--seq-length",
             str(a.seq_length), "--micro-batch-size", str(a.micro_batch_size), "--warmup", "1",
             "--repeats", str(a.profile_repeats), "--out", out_table,
@@ -257,7 +261,14 @@ def run_bench(a: BenchOptions) -> int:
         EP_METHODS if a.expert_model_parallel_size > 1 or a.context_parallel_size > 1 \
         or emu else METHODS
     profile = a.planner_source == "table" and not emu
-    per = len(methods) * a.rounds + profile
+    chunked = (a.dhelix_mlp_chunks or 1) > 1
+    if chunked and (not profile or a.pipeline_model_parallel_size > 1 or
+                    a.context_parallel_size > 1 or a.expert_model_parallel_size > 1):
+        print("dhelix bench: error: --dhelix-mlp-chunks plans the dense TP+SP layer from a "
+              "profiled table (PP, CP and EP 1, --planner-source table)", file=sys.stderr)
+        return 2
+    per = len(methods) * a.rounds + profile + chunked
+    planned = None
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
         for lk in links:
@@ -290,6 +301,20 @@ def run_bench(a: BenchOptions) -> int:
                             raise RuntimeError(f"{cfg} {link}: dhelix profile failed "
                                                f"(exit {rc}); see {log}")
                         bar.update(1)
+                        planned = cluster
+                        if chunked:     # the planned runs' layer: its MLP in chunks
+                            planned = os.path.join(work, f"table-{cfg}-{link}-chunks.json")
+                            bar.set_postfix_str(f"{cfg} {link} profile (MLP chunks)")
+                            rc = spawn_local(a.tensor_model_parallel_size,
+                                             _profile_argv(a, cfg, planned,
+                                                           a.dhelix_mlp_chunks),
+                                             prefix=prefix, extra_env=env, timeout_s=3600,
+                                             log=log)
+                            if rc != 0:
+                                raise RuntimeError(f"{cfg} {link}: dhelix profile "
+                                                   f"--dhelix-mlp-chunks failed (exit {rc}); "
+                                                   f"see {log}")
+                            bar.update(1)
                     else:
                         cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))
                     res = {}
@@ -299,7 +324,10 @@ def run_bench(a: BenchOptions) -> int:
                             out = os.path.join(work, f"{cfg}-{link}-{method}-{rnd}.json")
                             trace = os.path.join(work, f"{cfg}-{link}-trace.json")
                             bar.set_postfix_str(f"{cfg} {link} {method} round {rnd + 1}")
-                            train_argv = _argv(a, cfg, out, method, cluster, trace)
+                            train_argv = _argv(a, cfg, out, method,
+                                               planned if planned and method.startswith(
+                                                   ("dhelix-plan", "dhelix-halves"))
+                                               else cluster, trace)
                             rc = spawn_local(a.nproc, train_argv, prefix=prefix,
                                              extra_env=env, timeout_s=1800, log=log)
                             if rc != 0:
@@ -324,8 +352,10 @@ def run_bench(a: BenchOptions) -> int:
                     else:
                         rows += report.rows(cfg, link, res,
                                             _trace_totals(trace_files(trace)[0]), methods,
-                                            predict.layer_prediction(a, cfg, cluster),
-                                            predict.step_predictions(a, cfg, cluster))
+                                            predict.layer_prediction(a, cfg,
+                                                                     planned or cluster),
+                                            predict.step_predictions(a, cfg, cluster,
+                                                                     planned))
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2

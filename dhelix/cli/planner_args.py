@@ -36,6 +36,10 @@ def add_shape_args(p, required: bool) -> None:
                    help="MoE configs: experts over P ranks, all-to-all between them "
                         "(default 1); the EP group is inside a node while TP×EP ≤ 8")
     add_cp_arg(g, default=None)
+    g.add_argument("--dhelix-mlp-chunks", type=int, default=None, metavar="C",
+                   help="the MLP forward in C token chunks, as `dhelix train "
+                        "--dhelix-mlp-chunks C` runs it (needs TP > 1 with "
+                        "--sequence-parallel; default 1)")
 
 
 def add_cp_arg(g, default) -> None:
@@ -48,7 +52,7 @@ def add_cp_arg(g, default) -> None:
 
 SHAPE_DESTS = ("config", "tensor_model_parallel_size", "sequence_parallel", "seq_length",
                "micro_batch_size", "bf16", "lane", "expert_model_parallel_size",
-               "context_parallel_size")
+               "context_parallel_size", "dhelix_mlp_chunks")
 
 
 def shape_given(a) -> bool:
@@ -59,7 +63,8 @@ def shape_from_args(a) -> dict:
     return make_shape(a.config, tp=a.tensor_model_parallel_size, sp=a.sequence_parallel,
                       seq=a.seq_length, mbs=a.micro_batch_size, bf16=a.bf16, lane=a.lane,
                       ep=getattr(a, "expert_model_parallel_size", None),
-                      cp=getattr(a, "context_parallel_size", None))
+                      cp=getattr(a, "context_parallel_size", None),
+                      mlp_chunks=getattr(a, "dhelix_mlp_chunks", None))
 
 
 def add_cost_args(p, required: bool) -> None:

@@ -11,6 +11,9 @@ def add_measure_args(sub, name: str, help_: str, run):
     add_launch_args(p)
     p.add_argument("--warmup", type=int, default=1,
                    help="untimed runs before each measurement (default: %(default)s)")
+    p.add_argument("--dhelix-mlp-chunks", type=int, default=1, metavar="C",
+                   help="the layer's MLP forward in C token chunks, as `dhelix train "
+                        "--dhelix-mlp-chunks C` runs it (default: %(default)s)")
     p.add_argument("--repeats", type=int, default=5,
                    help="timed runs per measurement; the median is kept (default: "
                         "%(default)s; validate-model on a noisy machine: 20)")

@@ -63,7 +63,8 @@ def shapes_only_configs() -> List[str]:
 def make_shape(config: Optional[str], tp: Optional[int] = None, sp: Optional[bool] = None,
                seq: Optional[int] = None, mbs: Optional[int] = None,
                bf16: Optional[bool] = None, lane: Optional[str] = None,
-               ep: Optional[int] = None, cp: Optional[int] = None) -> dict:
+               ep: Optional[int] = None, cp: Optional[int] = None,
+               mlp_chunks: Optional[int] = None) -> dict:
     """A checked shape dict; None means the default (TP 1, `dhelix train`'s sequence
     length and micro-batch size, fp32, lane intra, no EP or CP)."""
     if config is None:
@@ -91,6 +92,11 @@ def make_shape(config: Optional[str], tp: Optional[int] = None, sp: Optional[boo
         shape["ep"] = ep
     if cp > 1:
         shape["cp"] = cp
+    mlp_chunks = mlp_chunks or 1
+    if mlp_chunks < 1:
+        raise InputError(f"--dhelix-mlp-chunks must be a positive integer, got {mlp_chunks}")
+    if mlp_chunks > 1:
+        shape["mlp_chunks"] = mlp_chunks
     return shape
 
 
@@ -144,7 +150,8 @@ def layer_for_shape(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE):
                                    ep=shape.get("ep", 1),
                                    ep_lane=ep_lane(shape, gpus_per_node),
                                    cp=shape.get("cp", 1),
-                                   cp_lane=cp_lane(shape, gpus_per_node))
+                                   cp_lane=cp_lane(shape, gpus_per_node),
+                                   mlp_chunks=shape.get("mlp_chunks", 1))
     except (ValueError, AssertionError) as e:  # megatron's TransformerConfig checks
         cp = f", CP={shape['cp']}" if shape.get("cp", 1) > 1 else ""
         raise ConfigError(f"--config {shape['config']} with TP={shape['tp']}{cp}: {e}")
@@ -165,6 +172,8 @@ def shape_str(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
         parts.append(f"CP={shape['cp']} ({cp_lane(shape, gpus_per_node)})")
     if shape.get("ep", 1) > 1:
         parts.append(f"EP={shape['ep']} ({ep_lane(shape, gpus_per_node)})")
+    if shape.get("mlp_chunks", 1) > 1:
+        parts.append(f"MLP in {shape['mlp_chunks']} chunks")
     parts += [f"seq {shape.get('seq')}", f"mbs {shape.get('mbs')}",
               "bf16" if shape.get("bf16") else "fp32", f"lane {shape.get('lane')}"]
     return ", ".join(parts)

@@ -22,7 +22,7 @@ from dhelix.strand.state import StrandState
 class LayerHarness:
     def __init__(self, m: ModelConfig, tp: int, sp: bool, seq: int, mbs: int,
                  bf16: bool = False, seed: int = 1234, device: Optional[torch.device] = None,
-                 ep: int = 1, cp: int = 1):
+                 ep: int = 1, cp: int = 1, mlp_chunks: int = 1):
         from megatron.core import parallel_state
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -51,6 +51,7 @@ class LayerHarness:
         # the times are those of the layer that trains
         spec = layer_spec(DHelixLayer, m.num_experts, cp)
         self.layer = build_module(spec, config=self.cfg, layer_number=1).to(self.device)
+        self.layer.dhelix_mlp_chunks = mlp_chunks     # before its program is built
         self.program = self.layer.program
         self.ops = self.program.layer_ops(seq, mbs)
         self.seq, self.mbs, self.tp, self.sp, self.ep = seq, mbs, tp, sp and tp > 1, ep

@@ -23,6 +23,7 @@ class ProfileOptions:
     num_experts: Optional[int] = None
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_router_topk: Optional[int] = None
+    dhelix_mlp_chunks: int = 1       # the MLP forward in chunks (`planner.chains`)
     # the measurement
     warmup: int = 1                  # untimed runs before each measurement
     repeats: int = 5                 # timed runs per measurement; the median is kept
@@ -56,7 +57,8 @@ def _on_rank(o: ProfileOptions, body) -> None:
     if ep > 1 and not m.num_experts:
         raise ValueError(f"--expert-model-parallel-size {ep}: {m.name} has no experts")
     h = LayerHarness(m, tp, o.sequence_parallel, o.seq_length,
-                     o.micro_batch_size, o.bf16, o.seed, info.device, ep=ep, cp=cp)
+                     o.micro_batch_size, o.bf16, o.seed, info.device, ep=ep, cp=cp,
+                     mlp_chunks=o.dhelix_mlp_chunks)
     body(h, m, info.rank == 0)
 
 
