@@ -39,8 +39,8 @@ def layer_prediction(a, cfg, cost_source) -> float:
 def step_predictions(a, cfg, cost_source, planned=None) -> Dict[str, object]:
     """method -> the whole step the simulator predicts for it (`planner.whole_step`), from
     the profiled table: its layer costs and its step extras (embedding, loss, optimizer,
-    finalize, measured with it); the planned run's from `planned` (the table of its
-    chunked layer, `--dhelix-mlp-chunks`) where given. Empty for the analytical model or a
+    finalize, measured with it); with `planned` (the table of the chunked layer,
+    `--dhelix-mlp-chunks`) also the chunked run's. Empty for the analytical model or a
     table without extras."""
     if not cost_source.endswith(".json"):
         return {}
@@ -53,12 +53,16 @@ def step_predictions(a, cfg, cost_source, planned=None) -> Dict[str, object]:
     if ex is None:
         return {}
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
-    pl, pc = (layer, costs) if not planned or planned == cost_source else \
-        layer_costs(a, cfg, planned)
-    return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
-            "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
-            "dhelix-plan": simulate_step(pl, dp.plan(pl, pc, rotate=True, num_layers=L),
-                                         pc, L, N, pc.step_extras or ex)}
+    out = {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
+           "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
+           "dhelix-plan": simulate_step(layer, dp.plan(layer, costs, rotate=True,
+                                                       num_layers=L), costs, L, N, ex)}
+    if planned:
+        from dhelix.bench.report import CHUNKS
+        cl, cc = layer_costs(a, cfg, planned)
+        out[CHUNKS] = simulate_step(cl, dp.plan(cl, cc, rotate=True, num_layers=L), cc, L,
+                                    N, cc.step_extras or ex)
+    return out
 
 
 def pp_simulate(a, cfg, link, cost_source) -> dict:

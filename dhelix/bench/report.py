@@ -10,6 +10,8 @@ from dhelix.bench.predict import pp_simulate
 
 METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan", "dhelix-halves")
 PP_METHODS = ("megatron-1f1b", "megatron-interleaved", "dhelix-fold")
+# with --dhelix-mlp-chunks C: the planned run with its layers' MLP forward in C chunks
+CHUNKS = "dhelix-chunks"
 # MoE: the intra-batch peer splits dense layers only; megatron's own fwd∥bwd overlap for
 # MoE (combined 1F1B, --overlap-moe-expert-parallel-comm) needs CUDA streams and events
 EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
@@ -30,7 +32,8 @@ def rewrite(json_path: str, out: str) -> None:
     if pp:
         plot(rows, out + ".png", PP_METHODS, "megatron 1F1B")
     else:
-        plot(rows, out + ".png", [m for m in METHODS if any(r["method"] == m for r in rows)])
+        plot(rows, out + ".png", [m for m in METHODS + (CHUNKS,)
+                                  if any(r["method"] == m for r in rows)])
 
 
 def rows(cfg, link, res, tr, methods=METHODS, sim_layer=None,

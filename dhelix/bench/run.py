@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List
 
 from dhelix.bench import emulated, predict, report
-from dhelix.bench.report import EP_METHODS, METHODS, PP_METHODS
+from dhelix.bench.report import CHUNKS, EP_METHODS, METHODS, PP_METHODS
 from dhelix.links import parse_link
 
 
@@ -156,8 +156,9 @@ def _argv(a, cfg, out_json, method, cluster, trace):
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
         if method == "dhelix-halves":
             argv += ["--dhelix-halves"]
-        if a.dhelix_mlp_chunks > 1:
-            argv += ["--dhelix-mlp-chunks", str(a.dhelix_mlp_chunks)]
+    elif method == CHUNKS:
+        argv += ["--dhelix", "--dhelix-overlap-table", cluster,
+                 "--dhelix-mlp-chunks", str(a.dhelix_mlp_chunks)]
     if dp > 1 and a.expert_model_parallel_size == 1 and cp == 1:
         # dense DP: megatron's bucketed grad reduce overlapped, in every method
         argv += ["--overlap-grad-reduce"]
@@ -267,6 +268,8 @@ def run_bench(a: BenchOptions) -> int:
         print("dhelix bench: error: --dhelix-mlp-chunks plans the dense TP+SP layer from a "
               "profiled table (PP, CP and EP 1, --planner-source table)", file=sys.stderr)
         return 2
+    if chunked:
+        methods = methods + (CHUNKS,)
     per = len(methods) * a.rounds + profile + chunked
     planned = None
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
@@ -301,8 +304,7 @@ def run_bench(a: BenchOptions) -> int:
                             raise RuntimeError(f"{cfg} {link}: dhelix profile failed "
                                                f"(exit {rc}); see {log}")
                         bar.update(1)
-                        planned = cluster
-                        if chunked:     # the planned runs' layer: its MLP in chunks
+                        if chunked:     # the chunked run's layer: its MLP in chunks
                             planned = os.path.join(work, f"table-{cfg}-{link}-chunks.json")
                             bar.set_postfix_str(f"{cfg} {link} profile (MLP chunks)")
                             rc = spawn_local(a.tensor_model_parallel_size,
@@ -325,9 +327,8 @@ def run_bench(a: BenchOptions) -> int:
                             trace = os.path.join(work, f"{cfg}-{link}-trace.json")
                             bar.set_postfix_str(f"{cfg} {link} {method} round {rnd + 1}")
                             train_argv = _argv(a, cfg, out, method,
-                                               planned if planned and method.startswith(
-                                                   ("dhelix-plan", "dhelix-halves"))
-                                               else cluster, trace)
+                                               planned if method == CHUNKS else cluster,
+                                               trace)
                             rc = spawn_local(a.nproc, train_argv, prefix=prefix,
                                              extra_env=env, timeout_s=1800, log=log)
                             if rc != 0:
@@ -352,8 +353,7 @@ def run_bench(a: BenchOptions) -> int:
                     else:
                         rows += report.rows(cfg, link, res,
                                             _trace_totals(trace_files(trace)[0]), methods,
-                                            predict.layer_prediction(a, cfg,
-                                                                     planned or cluster),
+                                            predict.layer_prediction(a, cfg, cluster),
                                             predict.step_predictions(a, cfg, cluster,
                                                                      planned))
     except NetnsError as e:

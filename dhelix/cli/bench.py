@@ -52,9 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--profile-repeats", type=int, default=D.profile_repeats,
                    help="timed repeats per op and pair in the profile (default: %(default)s)")
     p.add_argument("--dhelix-mlp-chunks", type=int, default=D.dhelix_mlp_chunks,
-                   metavar="C", help="the planned DHelix runs (plan, halves) with each "
-                   "layer's MLP forward in C token chunks, planned from a table profiled "
-                   "for that layer (default: %(default)s; the trivial run stays unchunked)")
+                   metavar="C", help="C > 1: one more method, dhelix-chunks: the planned "
+                   "run with each layer's MLP forward in C token chunks, planned from a "
+                   "table profiled for that layer (default: %(default)s)")
     p.add_argument("--compute", default=D.compute, metavar="paced:CLUSTER[,x=F]",
                    help="paced compute: the ranks keep --emulate's time on CLUSTER (a40, "
                         "a800, h100 or a YAML), with one paced link; each row's emulated "
