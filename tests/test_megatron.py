@@ -112,6 +112,8 @@ def test_mlp_chunks_checked_before_training():
                                tensor_model_parallel_size=1))
     with pytest.raises(DHelixArgError, match="--num-experts"):
         check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "2", num_experts=4))
+    with pytest.raises(DHelixArgError, match="--context-parallel-size 2"):
+        check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "2", context_parallel_size=2))
     with pytest.raises(DHelixArgError, match="divides 32"):
         check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "3"))
     with pytest.raises(DHelixArgError, match="chunk count >= 1"):

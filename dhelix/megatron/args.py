@@ -143,21 +143,23 @@ def _check_mlp_chunks(args) -> None:
     if c == 1:
         return
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
     bad = [flag for flag, yes in (
         ("--tensor-model-parallel-size 1", tp == 1),
         ("no --sequence-parallel", not getattr(args, "sequence_parallel", False)),
-        ("--num-experts", bool(getattr(args, "num_experts", None)))) if yes]
+        ("--num-experts", bool(getattr(args, "num_experts", None))),
+        # not checked against megatron yet: refused rather than untested
+        (f"--context-parallel-size {cp}", cp > 1),
+        ("--dhelix-fold", bool(getattr(args, "dhelix_fold", False)))) if yes]
     if bad:
         raise DHelixArgError(f"--dhelix-mlp-chunks {c} pipelines a dense MLP's sequence-"
                              f"parallel all-gather and reduce-scatter; not with "
                              f"{', '.join(bad)} (use --dhelix-mlp-chunks 1)")
     seq = getattr(args, "seq_length", None)
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    if seq and (seq // cp // tp) % c:
-        raise DHelixArgError(f"--dhelix-mlp-chunks {c} splits each rank's {seq // cp // tp} "
-                             f"sequence rows (--seq-length {seq} / TP {tp}"
-                             f"{f' / CP {cp}' if cp > 1 else ''}) in equal parts: choose a "
-                             f"chunk count that divides {seq // cp // tp}")
+    if seq and (seq // tp) % c:
+        raise DHelixArgError(f"--dhelix-mlp-chunks {c} splits each rank's {seq // tp} "
+                             f"sequence rows (--seq-length {seq} / TP {tp}) in equal parts: "
+                             f"choose a chunk count that divides {seq // tp}")
 
 
 def _check_recompute(args) -> None:
