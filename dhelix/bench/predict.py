@@ -36,16 +36,28 @@ def layer_prediction(a, cfg, cost_source) -> float:
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
-def step_predictions(a, cfg, cost_source, planned=None) -> Dict[str, object]:
+def planned_step(a, cfg, cost_source):
+    """The whole step the simulator predicts for the planned run on the profiled table
+    `cost_source` (its layer: `layer_costs`), or None where the table has no extras."""
+    from dhelix.models.config import load_model_config
+    from dhelix.planner import dp
+    from dhelix.planner.whole_step import simulate_step
+    layer, costs = layer_costs(a, cfg, cost_source)
+    if costs.step_extras is None:
+        return None
+    L, N = load_model_config(cfg).num_layers, a.num_microbatches
+    return simulate_step(layer, dp.plan(layer, costs, rotate=True, num_layers=L), costs,
+                         L, N, costs.step_extras)
+
+
+def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
     """method -> the whole step the simulator predicts for it (`planner.whole_step`), from
     the profiled table: its layer costs and its step extras (embedding, loss, optimizer,
-    finalize, measured with it); with `planned` (the table of the chunked layer,
-    `--dhelix-mlp-chunks`) also the chunked run's. Empty for the analytical model or a
-    table without extras."""
+    finalize, measured with it). Empty for the analytical model or a table without
+    extras."""
     if not cost_source.endswith(".json"):
         return {}
     from dhelix.models.config import load_model_config
-    from dhelix.planner import dp
     from dhelix.planner.plan import trivial_plan
     from dhelix.planner.whole_step import simulate_megatron_step, simulate_step
     layer, costs = layer_costs(a, cfg, cost_source)
@@ -53,16 +65,9 @@ def step_predictions(a, cfg, cost_source, planned=None) -> Dict[str, object]:
     if ex is None:
         return {}
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
-    out = {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
-           "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
-           "dhelix-plan": simulate_step(layer, dp.plan(layer, costs, rotate=True,
-                                                       num_layers=L), costs, L, N, ex)}
-    if planned:
-        from dhelix.bench.report import CHUNKS
-        cl, cc = layer_costs(a, cfg, planned)
-        out[CHUNKS] = simulate_step(cl, dp.plan(cl, cc, rotate=True, num_layers=L), cc, L,
-                                    N, cc.step_extras or ex)
-    return out
+    return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
+            "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
+            "dhelix-plan": planned_step(a, cfg, cost_source)}
 
 
 def pp_simulate(a, cfg, link, cost_source) -> dict:

@@ -351,11 +351,12 @@ def run_bench(a: BenchOptions) -> int:
                     elif a.pipeline_model_parallel_size > 1:
                         rows += report.pp_rows(a, cfg, link, res, cluster)
                     else:
+                        preds = predict.step_predictions(a, cfg, cluster)
+                        if planned:           # the chunked run, from its own table
+                            preds[CHUNKS] = predict.planned_step(a, cfg, planned)
                         rows += report.rows(cfg, link, res,
                                             _trace_totals(trace_files(trace)[0]), methods,
-                                            predict.layer_prediction(a, cfg, cluster),
-                                            predict.step_predictions(a, cfg, cluster,
-                                                                     planned))
+                                            predict.layer_prediction(a, cfg, cluster), preds)
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2
