@@ -105,12 +105,12 @@ def timed_layer_step(prog, plan, trivial, lanes, meta, x, g):
 
 
 def earliest_wgrad_plan(ops):
-    """Every floating op as early as the validator allows (right after its `after`):
-    e.g. fc1_wgrad before fc1_dgrad, which random plans (they only defer) never do."""
+    """Every floating op as early as the validator allows (right after its `after`, a
+    re-gather first of all): e.g. fc2_wgrad right after fc2_dgrad, ahead of act_b."""
     from dhelix.planner.plan import Plan, Step, split_segments
     order = [o for o in ops.backward if not o.wgrad]
     for w in [o for o in ops.backward if o.wgrad]:
-        order.insert(next(k for k, o in enumerate(order) if o.name == w.after) + 1, w)
+        order.insert(next((k for k, o in enumerate(order) if o.name == w.after), -1) + 1, w)
     steps = [Step(fwd=s) for s in split_segments(ops.forward)] + \
         [Step(bwd=s) for s in split_segments(order)]
     return Plan(ops.signature(), [o.name for o in ops.forward],
@@ -159,7 +159,9 @@ def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5, 
         first = first or got
     return {"nplans": len(plans), "distinct": len({p.digest() for _, p in plans}),
             "ngrads": len(r_grads), "num_ops": (len(ops.forward), len(ops.backward)),
-            "multi_comm": sum(multi_comm_steps(p, ops) > 0 for _, p in plans)}
+            "multi_comm": sum(multi_comm_steps(p, ops) > 0 for _, p in plans),
+            # β's node in another order than the chain's (`Plan.backward`)
+            "reordered": sum(p.backward != [o.name for o in ops.backward] for _, p in plans)}
 
 
 def multi_comm_steps(plan, ops) -> int:

@@ -146,7 +146,7 @@ def test_dp_never_worse_than_random_plans():
         sc = dp.make_step_cost(layer, table)
         best = dp.plan(layer, table, backend="python").meta["predicted_s"]
         for _ in range(10):
-            rp = enumerate_.random_legal_plan(layer, rng, defer_prob=0.0)
+            rp = enumerate_.random_legal_plan(layer, rng, defer_prob=0.0, reorder_prob=0.0)
             assert best <= dp.plan_cost(rp, layer, sc) * (1 + 1e-12)
             total += 1
             beaten += best <= simulate(layer, rp, table).makespan * (1 + 1e-12)

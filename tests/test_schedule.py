@@ -195,6 +195,7 @@ def _check_many_plans(r, n, fresh):
     assert len({p["digest"] for p in plans}) == n, "random plans repeat"
     assert sum(p["paired"] for p in plans) > 0
     assert sum(1 for p in plans if p["rotation"]) >= n // 2, "odd seeds: rotated plans"
+    assert sum(1 for p in plans if p["reordered"]) >= n // 4, "β's node in other orders"
     assert all((p["rotated_steps"] > 0) == bool(p["rotation"]) for p in plans), \
         "a rotated plan's co-steps run across two β nodes, an unrotated plan's never"
     failed = []

@@ -115,7 +115,7 @@ def train_random_plans(plan_dir, seeds, **kw):
     the same seed and data (`train` re-initialises megatron's parallel state and seeds).
 
     Each plan is `random_legal_plan(ops, random.Random(seed))` (odd seeds: rotated by a
-    random r) on the ops of the layer
+    random r; about half of them with β's node in a random legal order) on the ops of the layer
     these runs train (`kw`'s config, TP, SP, seq length and micro-batch size), written by
     rank 0 to `plan_dir/seed{seed}.json` and passed as `--dhelix-plan`. The digest of the
     plan each run's layers were actually given (`PlanBook.for_layer`) is recorded.
@@ -170,6 +170,7 @@ def train_random_plans(plan_dir, seeds, **kw):
             res = train(TrainConfig(**kw, dhelix={"enabled": True, "plan": path}))
             out["plans"].append({"seed": seed, "digest": plan.digest(),
                                  "rotation": plan.rotation, "rotated_steps": len(rotated),
+                                 "reordered": plan.backward != [o.name for o in ops.backward],
                                  "paired": plan.num_paired(), "steps": len(plan.steps),
                                  "used": sorted(set(used)), "result": res})
     finally:

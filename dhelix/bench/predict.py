@@ -32,7 +32,7 @@ def layer_prediction(a, cfg, cost_source) -> float:
     run used."""
     from dhelix.planner import dp
     layer, costs = layer_costs(a, cfg, cost_source)
-    meta = dp.plan(layer, costs, rotate=True).meta
+    meta = dp.plan(layer, costs, rotate=True, reorder=True).meta
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
@@ -46,7 +46,7 @@ def planned_step(a, cfg, cost_source):
     if costs.step_extras is None:
         return None
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
-    return simulate_step(layer, dp.plan(layer, costs, rotate=True, num_layers=L), costs,
+    return simulate_step(layer, dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L), costs,
                          L, N, costs.step_extras)
 
 
@@ -76,7 +76,7 @@ def pp_simulate(a, cfg, link, cost_source) -> dict:
     from dhelix.planner import dp
     tp = a.tensor_model_parallel_size
     layer, costs = layer_costs(a, cfg, cost_source)
-    lc = LayerCosts.from_plan(layer, dp.plan(layer, costs, rotate=True), costs)
+    lc = LayerCosts.from_plan(layer, dp.plan(layer, costs, rotate=True, reorder=True), costs)
     m = load_model_config(cfg)
     G = a.pipeline_model_parallel_size
     lk = parse_link(link)

@@ -29,6 +29,10 @@ def add_parser(sub) -> None:
                    help="plan β's chain unrotated only (by default the planner also tries "
                         "each rotation, where a layer step's β ops start inside a node, and "
                         "keeps the one whose co-step ends first; docs/planner.md)")
+    p.add_argument("--no-reorder", dest="reorder", action="store_false",
+                   help="plan β's node in the chain's (megatron's) order only (by default "
+                        "the planner also moves re-gathers and wgrads within the node, "
+                        "e.g. a re-gather issued early to fill the link; docs/planner.md)")
     p.add_argument("--out", default="plan.json", metavar="PLAN.json",
                    help="where to write the plan (default plan.json)")
     p.set_defaults(func=run)
@@ -39,7 +43,7 @@ def run(a) -> int:
         shape = shape_from_args(a)
         budget = None if a.memory_budget is None else parse_bytes(a.memory_budget, "--memory-budget")
         p, layer = make_plan(shape, a.table, a.cluster, budget, a.backend, a.force,
-                             rotate=a.rotate)
+                             rotate=a.rotate, reorder=a.reorder)
     except expected_errors() as e:
         return fail("plan", readable_budget_error(e))
     try:
@@ -62,6 +66,11 @@ def run(a) -> int:
         print(f"rotation:             {p.rotation} (unrotated plan "
               f"{fmt_time(m['unrotated_predicted_s'])}; a co-step of {m['co_step_layers']} "
               f"layers {fmt_time(m['co_step_predicted_s'])})")
+    if p.backward != [o.name for o in layer.backward]:
+        print(f"β's node order:       {' '.join(p.backward)}")
+        print(f"                      (reordered: a co-step of {m['co_step_layers']} layers "
+              f"{fmt_time(m['co_step_predicted_s'])}, in the chain's order "
+              f"{fmt_time(m['chain_order_co_step_s'])})")
     budget_txt = "" if budget is None else f"  (budget {fmt_bytes(budget)})"
     print(f"predicted peak mem:   {fmt_bytes(m.get('predicted_peak_bytes'))}{budget_txt}")
     print(f"planning time:        {m['planning_time_s'] * 1e3:.1f} ms (backend {m['backend']})")

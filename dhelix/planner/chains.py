@@ -6,8 +6,11 @@ the planner, which plans models it cannot build (`shapes.layer_ops_for_shape`).
 The backward runs in megatron's order: a column-parallel linear's input is re-gathered
 (sequence parallel) before its dgrad, the input gradient's reduce-scatter (or all-reduce)
 starts after the dgrad, and the wgrad runs beside it. Wgrad ops and the re-gathers they
-need are `wgrad=True` with an `after` op: they may float to any later point of the
-layer's backward.
+need are `wgrad=True`, free to move within a node's backward: a wgrad op to any point
+after its `after` op (its dgrad), a re-gather (`after` None: its input was saved by the
+forward) to any point before its `reader`, the wgrad. A plan may run β in such an order
+(`Plan.backward`, chosen by the planner: `dp.plan(reorder=True)`), so a re-gather can
+fill the link while the strands compute.
 """
 from __future__ import annotations
 
@@ -58,23 +61,23 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
         mlp = [*gather("ag_mlp"), C("fc1"), C("act"), C("fc2"), *reduce_out("mlp")]
     f = f_attn + [C("ln_mlp"), *mlp, C("bda_mlp")]
 
-    def column_backward(part, grad_op, lin):
-        after = grad_op
+    def column_backward(part, lin):
         ops = []
         if sp:
-            ops.append(M(f"ag_{part}_w", "all_gather", wgrad=True, after=grad_op))
-            after = f"ag_{part}_w"
+            # the re-gather reads the norm's output the forward saved: it may be issued
+            # anywhere in the node before its reader, the wgrad (module doc)
+            ops.append(M(f"ag_{part}_w", "all_gather", wgrad=True, reader=f"{lin}_wgrad"))
         ops.append(C(f"{lin}_dgrad"))
         ops += reduce_out(part, "_b")
-        ops.append(C(f"{lin}_wgrad", wgrad=True, after=after))
+        ops.append(C(f"{lin}_wgrad", wgrad=True, after=f"{lin}_dgrad"))
         return ops
 
     b_attn = [C("bda_attn_b"), *gather("ag_attn_b"), C("proj_dgrad"),
               C("proj_wgrad", wgrad=True, after="proj_dgrad"), *b_core,
-              *column_backward("attn", b_core[-1].name, "qkv"), C("ln_attn_b")]
+              *column_backward("attn", "qkv"), C("ln_attn_b")]
     b = [C("bda_mlp_b"), *gather("ag_mlp_b"), C("fc2_dgrad"),
          C("fc2_wgrad", wgrad=True, after="fc2_dgrad"), C("act_b"),
-         *column_backward("mlp", "act_b", "fc1"), C("ln_mlp_b")] + b_attn
+         *column_backward("mlp", "fc1"), C("ln_mlp_b")] + b_attn
     if moe:
         f_moe, b_moe = moe_chains(ep_lane, shared_experts)
         return f_attn + f_moe, b_moe + b_attn

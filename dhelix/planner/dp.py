@@ -36,8 +36,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from dhelix.planner.costs import CostTable
 from dhelix.planner.opspec import LayerOps, OpSpec
-from dhelix.planner.plan import (Plan, PlanError, Step, new_plan, rotated_backward,
-                                 trivial_plan, validate)
+from dhelix.planner.plan import (Plan, PlanError, Step, new_plan, ordered_backward,
+                                 rotated_backward, trivial_plan, validate)
 from dhelix.planner.simulate import LaneModel, plan_indices
 
 try:  # the compiled core is optional
@@ -45,7 +45,7 @@ try:  # the compiled core is optional
 except ImportError:  # pragma: no cover - depends on the build
     _core = None
 
-from dhelix.planner.enumerate import INF, StepCost, StepIdx  # noqa: E402  (shared types)
+from dhelix.planner.enumerate import INF, StepCost, StepIdx, legal_order  # noqa: E402
 
 
 def cpp_available() -> bool:
@@ -251,7 +251,7 @@ def plan_cost(plan: Plan, layer: LayerOps, step_cost: StepCost) -> float:
 def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
          step_cost: Optional[StepCost] = None, memory_budget_bytes: Optional[float] = None,
          base_bytes: Optional[float] = None, backend: str = "auto",
-         force: bool = False, rotate: bool = False,
+         force: bool = False, rotate: bool = False, reorder: bool = False,
          num_layers: Optional[int] = None) -> Plan:
     """The cheapest legal plan for ``layer`` (backward as a chain, wgrad after its dgrad).
 
@@ -261,29 +261,42 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
     PlanError says by how much the lowest-peak plan exceeds the budget.
     ``backend``: "auto" | "cpp" | "python".
 
+    ``reorder``: also plan β's node in another legal order (`Plan.backward`: re-gathers
+    and wgrads moved, `_climb_order`) where its plan ends first.
     ``rotate``: also plan β's chain rotated by each r (`Plan.rotation`) and keep the plan
     whose co-step of ``num_layers`` layer pairs ends first (`whole_step.co_step_layers`:
     the rotated pairs, the last α layer beside the last tail, the first head alone);
-    the layer count defaults to the table's step extras', else 1. Only without a budget
-    or a step-cost function: the rotated chains are priced by the table.
+    the layer count defaults to the table's step extras', else 1. Both only without a
+    budget or a step-cost function: the other orders and rotations are priced by the table.
     """
     t_start = time.perf_counter()
     p, model = _plan_at(layer, table, step_cost, memory_budget_bytes, base_bytes, backend,
                         force, 0)
-    if not rotate or model is None or step_cost is not None or \
+    if not (rotate or reorder) or model is None or step_cost is not None or \
             memory_budget_bytes is not None or len(layer.backward) < 2:
         return p
     from dhelix.planner.whole_step import co_step_layers
     L = num_layers or (table.step_extras.num_layers if table.step_extras else 1)
     L = max(int(L), 1)
-    best, best_t = p, co_step_layers(model, p, L)
-    for r in range(1, len(layer.backward)):
-        q, model = _plan_at(layer, table, None, None, base_bytes, backend, force, r)
-        t = co_step_layers(model, q, L)
-        if t < best_t:
-            best, best_t = q, t
+    orders = [None]
+    if reorder:
+        order, _ = _climb_order(layer, table, base_bytes, backend, force, p)
+        if order is not None:
+            orders.append(order)
+    best, best_t, chain_t = None, INF, INF
+    for order in orders:
+        for r in range(len(layer.backward) if rotate else 1):
+            q, m = (p, model) if order is None and r == 0 else \
+                _plan_at(layer, table, None, None, base_bytes, backend, force, r, order)
+            t = co_step_layers(m, q, L)
+            if t < best_t:
+                best, best_t = q, t
+        if order is None:
+            chain_t = best_t
     meta = best.meta
-    meta["unrotated_predicted_s"] = p.meta["predicted_s"]
+    if reorder:
+        meta["chain_order_co_step_s"] = chain_t      # the best in the chain's order
+    meta["unrotated_predicted_s"] = p.meta["predicted_s"]    # chain order, unrotated
     meta["co_step_layers"] = L
     meta["co_step_predicted_s"] = best_t
     meta["trivial_predicted_s"] = p.meta["trivial_predicted_s"]
@@ -293,11 +306,41 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
     return best
 
 
+def _climb_order(layer: LayerOps, table: CostTable, base_bytes, backend: str, force: bool,
+                 start: Plan) -> Tuple[Optional[List[str]], float]:
+    """β's node order whose (unrotated) plan ends first, by hill climbing from the chain's:
+    each floating op (`wgrad`: a wgrad or a re-gather) tried at every position its rules
+    allow (`plan.check_order`), a move kept when the plan ends strictly earlier, until no
+    move helps. Deterministic (a fixed scan order, strict improvement), so every rank and
+    both backends find the same order. Returns (order, its plan's time), or (None, the
+    chain's) when no move helps."""
+    floating = [o.name for o in layer.backward if o.wgrad]
+    order = [o.name for o in layer.backward]
+    best_t, moved = start.meta["predicted_s"], False
+    while True:
+        step_best, step_order = best_t, None
+        for name in floating:
+            rest = [n for n in order if n != name]
+            for pos in range(len(rest) + 1):
+                cand = rest[:pos] + [name] + rest[pos:]
+                if cand == order or not legal_order(layer, cand):
+                    continue
+                q, _ = _plan_at(layer, table, None, None, base_bytes, backend, force, 0, cand)
+                if q.meta["predicted_s"] < step_best:
+                    step_best, step_order = q.meta["predicted_s"], cand
+        if step_order is None:
+            break
+        best_t, order, moved = step_best, step_order, True
+    return (order if moved else None), best_t
+
+
 def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[StepCost],
              memory_budget_bytes: Optional[float], base_bytes: Optional[float],
-             backend: str, force: bool, rotation: int) -> Tuple[Plan, Optional[LaneModel]]:
-    """`plan` for one rotation of β's chain: the plan, and the lane model it was priced on
-    (None without a table). The trivial plan's time is the unrotated one's only."""
+             backend: str, force: bool, rotation: int,
+             order: Optional[List[str]] = None) -> Tuple[Plan, Optional[LaneModel]]:
+    """`plan` for one rotation of β's chain in one node order (`order`, None: the layer's
+    chain): the plan, and the lane model it was priced on (None without a table). The
+    trivial plan's time is the unrotated one's only."""
     if backend not in ("auto", "cpp", "python"):
         raise ValueError(f"backend must be 'auto', 'cpp' or 'python', not {backend!r}")
     if backend == "cpp" and _core is None:
@@ -311,13 +354,13 @@ def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[St
                         "model runs on it)")
     t_start = time.perf_counter()
     L = _Legality(layer)
-    F, B = list(layer.forward), rotated_backward(layer.backward, rotation)
+    F, B = list(layer.forward), rotated_backward(ordered_backward(layer, order), rotation)
     budget = INF if memory_budget_bytes is None else float(memory_budget_bytes)
 
     problem = None
     if table is not None:
         model = LaneModel(layer, table, base_bytes=base_bytes, force=force,
-                          rotation=rotation)
+                          rotation=rotation, order=order)
         problem = _cpp_problem(model, L) if use_cpp else _PyProblem(model, L)
 
     if step_cost is None:
@@ -370,7 +413,7 @@ def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[St
         "predicted_s": total,
         "num_steps": len(out_steps),
     }
-    if not rotation:            # the trivial plan, with the same costs
+    if not rotation and order is None:            # the trivial plan, with the same costs
         triv = trivial_plan(layer)
         if problem is not None:
             triv_t = model.run(plan_indices(model, triv))[0]
@@ -398,7 +441,7 @@ def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[St
         meta["table_provenance"] = dict(table.provenance)
     if memory_budget_bytes is not None:
         meta["memory_budget_bytes"] = float(memory_budget_bytes)
-    p = new_plan(layer, out_steps, meta, rotation)
+    p = new_plan(layer, out_steps, meta, rotation, order)
     validate(p, layer)
     return p, (model if problem is not None else None)
 

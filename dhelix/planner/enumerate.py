@@ -6,7 +6,8 @@ import random
 from typing import Callable, Dict, List, Optional, Tuple
 
 from dhelix.planner.opspec import LayerOps, OpSpec
-from dhelix.planner.plan import Plan, PlanError, Step, new_plan, rotated_backward, validate
+from dhelix.planner.plan import (Plan, PlanError, Step, check_order, new_plan, ordered_backward,
+                                 rotated_backward, validate)
 INF = float("inf")
 StepCost = Callable[[List[OpSpec], List[OpSpec]], float]
 StepIdx = Tuple[int, int, int, int]      # (i, i', j, j'): F[i:i'] with B[j:j']
@@ -21,18 +22,40 @@ class BruteResult:
 
 def backward_orders(layer: LayerOps) -> List[List[OpSpec]]:
     """Every order of the backward ops that `validate` allows: the non-wgrad ops in chain
-    order, each wgrad op anywhere after its dgrad.  Exponential; tiny layers only."""
+    order, each wgrad op anywhere after its `after` op (anywhere without one) and before
+    its `reader`.  Exponential; tiny layers only."""
     chain = [o for o in layer.backward if not o.wgrad]
     wg = [o for o in layer.backward if o.wgrad]
     orders: List[List[OpSpec]] = [chain]
     for w in wg:
         nxt = []
         for order in orders:
-            pos = next(k for k, o in enumerate(order) if o.name == w.after)
+            pos = next((k for k, o in enumerate(order) if o.name == w.after), -1)
             for ins in range(pos + 1, len(order) + 1):
                 nxt.append(order[:ins] + [w] + order[ins:])
         orders = nxt
-    return orders
+    return [o for o in orders if legal_order(layer, [x.name for x in o])]
+
+
+def legal_order(layer: LayerOps, order: List[str]) -> bool:
+    """`order` is a node order `plan.check_order` allows."""
+    try:
+        check_order(layer, order)
+    except PlanError:
+        return False
+    return True
+
+
+def random_order(layer: LayerOps, rng=None) -> List[str]:
+    """A random legal node order of β (`Plan.backward`): each floating op (a wgrad or a
+    re-gather) moved to a random position its rules allow."""
+    r = _as_random(rng)
+    order = [o.name for o in layer.backward]
+    for name in [o.name for o in layer.backward if o.wgrad]:
+        rest = [n for n in order if n != name]
+        cands = [rest[:k] + [name] + rest[k:] for k in range(len(rest) + 1)]
+        order = r.choice([c for c in cands if legal_order(layer, c)])
+    return order
 
 
 def brute_force(layer: LayerOps, step_cost: StepCost, deferred_wgrad: bool = False,
@@ -114,27 +137,29 @@ def _repair_order(B: List[OpSpec], done_before=frozenset()) -> List[OpSpec]:
 
 
 def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
-                      pair_prob: float = 0.6, rotation: int = 0) -> Plan:
+                      pair_prob: float = 0.6, rotation: int = 0,
+                      reorder_prob: float = 0.5) -> Plan:
     """A random legal plan: random segment cuts, random pairing, and (with probability
     ``defer_prob``) some wgrad ops moved later than right after their dgrad. With
-    ``rotation`` r, a plan of β's chain rotated by r (`Plan.rotation`): a wgrad moves
-    within its node's part only."""
+    probability ``reorder_prob`` β's node runs in a random legal order (`random_order`,
+    `Plan.backward`). With ``rotation`` r, a plan of β's node order rotated by r
+    (`Plan.rotation`): a wgrad moves within its node's part only."""
     r = _as_random(rng)
     F = list(layer.forward)
-    head = {o.name for o in layer.backward[:rotation]}
-    B = rotated_backward(layer.backward, rotation)
+    order = random_order(layer, r) if reorder_prob and r.random() < reorder_prob else None
+    node = ordered_backward(layer, order)
+    head = {o.name for o in node[:rotation]}
+    B = rotated_backward(node, rotation)
     if r.random() < defer_prob:
         for w in [o for o in B if o.wgrad and o.after is not None]:
             if r.random() < 0.5:
                 continue
+            cur = B.index(w)            # after its dgrad already: only move it later
             B.remove(w)
             part = [k for k, o in enumerate(B) if (o.name in head) == (w.name in head)]
-            end = part[-1] + 1 if part else len(B)
-            pos = next((k for k, o in enumerate(B) if o.name == w.after), -1)
-            if (w.after in head) != (w.name in head):
-                pos = (part[0] if part else 0) - 1      # its dgrad ran a layer step before
-            # pos + 1 is its place right after the dgrad: go strictly later when possible
-            B.insert(r.randint(pos + 2, end) if pos + 2 <= end else pos + 1, w)
+            end = part[-1] + 1 if part else cur
+            # (a later place keeps it before its reader: a wgrad reads, none reads it)
+            B.insert(r.randint(cur + 1, end) if cur + 1 <= end else cur, w)
         B = _repair_order(B, {o.name for o in B if o.after is not None
                               and (o.after in head) != (o.name in head)})
     n, m = len(F), len(B)
@@ -159,6 +184,6 @@ def random_legal_plan(layer: LayerOps, rng=None, defer_prob: float = 0.5,
         steps.append(Step([o.name for o in fseg], [o.name for o in bseg]))
         i += len(fseg)
         j += len(bseg)
-    p = new_plan(layer, steps, {"made_by": "dhelix.planner.dp.random"}, rotation)
+    p = new_plan(layer, steps, {"made_by": "dhelix.planner.dp.random"}, rotation, order)
     validate(p, layer)
     return p

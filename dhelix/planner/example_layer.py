@@ -91,9 +91,11 @@ def tp_sp_layer(hidden: int = 4096, ffn: int = 16384, seq: int = 4096, batch: in
 
 # ---- random small layers and tables (tests, fuzzing) --------------------------------------
 
-def random_layer(rng, n_fwd=None, n_bwd=None, groups=None) -> LayerOps:
+def random_layer(rng, n_fwd=None, n_bwd=None, groups=None, regathers=False) -> LayerOps:
     """A small random layer: 3-5 forward ops, 3-6 backward ops (some wgrad), comm ops on 1-2
-    groups on the intra/inter lanes.  ``rng`` is a `random.Random`."""
+    groups on the intra/inter lanes.  ``rng`` is a `random.Random`. With ``regathers``
+    every wgrad op reads a floating comm op (a sequence-parallel re-gather: `after` None,
+    `reader` the wgrad), placed before its dgrad as megatron issues it."""
     n_fwd = n_fwd if n_fwd is not None else rng.randint(3, 5)
     n_bwd = n_bwd if n_bwd is not None else rng.randint(3, 6)
     groups = groups if groups is not None else ["tp", "cp"][:rng.randint(1, 2)]
@@ -124,6 +126,13 @@ def random_layer(rng, n_fwd=None, n_bwd=None, groups=None) -> LayerOps:
         bwd.append(o)
         # a wgrad op sits right after its dgrad: the next op may be a wgrad of this one
         prev_dgrad = o.name if (o.kind == COMPUTE and not o.wgrad) else None
+    if regathers:
+        for w in [o for o in bwd if o.wgrad]:
+            g = rng.choice(groups)
+            bwd.insert(next(k for k, o in enumerate(bwd) if o.name == w.after),
+                       OpSpec(f"{w.name}_ag", COMM, lane_of[g], group=g,
+                              comm_bytes=float(rng.randint(1, 9) * 1024),
+                              collective="all_gather", wgrad=True, reader=w.name))
     return LayerOps(fwd, bwd)
 
 

@@ -11,6 +11,10 @@ one backward node (from its op r on) and then the first r ops of the node below 
 layer-step boundary then falls inside β's chain instead of at both strands' ends at once,
 where both strands drain (`schedules/dhelix.py` walks β that way). Its steps name the ops
 of the rotated chain (`rotated_backward`), in that order.
+
+`backward` is β's order within one node: the layer's chain, or another order of it that
+`check_order` allows (the planner's, `dp.plan(reorder=True)`: a re-gather issued early,
+so the link has work while the strands compute). The rotation cuts that order.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ class Step:
 class Plan:
     signature: str                 # LayerOps.signature() of the layer it was made for
     forward: List[str]             # forward chain op names (for readable errors)
-    backward: List[str]            # backward chain op names
+    backward: List[str]            # β's op names in one node's order (module doc)
     steps: List[Step]
     meta: Dict = field(default_factory=dict)   # who made it, predicted times, ...
     rotation: int = 0              # β's chain starts at its op `rotation` (module doc)
@@ -98,7 +102,8 @@ class Plan:
 
     def digest(self) -> str:
         """Hash used to check that every rank holds the same plan."""
-        payload = {"sig": self.signature, "steps": [s.to_json() for s in self.steps]}
+        payload = {"sig": self.signature, "steps": [s.to_json() for s in self.steps],
+                   "backward": self.backward}
         if self.rotation:
             payload["rotation"] = self.rotation
         payload = json.dumps(payload, sort_keys=True)
@@ -136,11 +141,15 @@ def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
     if not 0 <= r < max(len(layer.backward), 1):
         raise PlanError(f"{source}: rule 'rotation': {r} is not a backward op's index "
                         f"(0..{len(layer.backward) - 1})")
-    node_index = {o.name: i for i, o in enumerate(layer.backward)}
+    check_order(layer, plan.backward, source)
+    node_b = ordered_backward(layer, plan.backward)
+    node_index = {o.name: i for i, o in enumerate(node_b)}
     fwd_spec = {o.name: o for o in layer.forward}
     bwd_spec = {o.name: o for o in layer.backward}
     fwd_order = {o.name: i for i, o in enumerate(layer.forward)}
-    bwd_chain = [o.name for o in rotated_backward(layer.backward, r) if not o.wgrad]
+    bwd_chain = [o.name for o in rotated_backward(node_b, r) if not o.wgrad]
+    # a comm op read by a named reader: the reader after it (as a wgrad after its dgrad)
+    read_by = {o.reader: o.name for o in node_b if o.reader is not None}
     bwd_order = {n: i for i, n in enumerate(bwd_chain)}
     seen_f: Dict[str, int] = {}
     seen_b: Dict[str, int] = {}
@@ -162,8 +171,8 @@ def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
                         any(node_index[n] < r for n in seen_b):
                     raise PlanError(f"{source}: step {k}: rule 'rotation-order': '{name}' of "
                                     f"the layer above comes after an op of the layer below "
-                                    f"(rotation {r}: every op from '{layer.backward[r].name}' "
-                                    f"on runs before '{layer.backward[0].name}')")
+                                    f"(rotation {r}: every op from '{node_b[r].name}' "
+                                    f"on runs before '{node_b[0].name}')")
                 if strand == "fwd":
                     if fwd_order[name] != next_f:
                         want = layer.forward[next_f].name if next_f < len(layer.forward) else "-"
@@ -173,10 +182,14 @@ def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
                 elif op.wgrad:
                     # rotated: a wgrad of the node above whose dgrad ran in the layer
                     # step before (the dgrad among the first r ops, the wgrad not)
-                    done_before = node_index[op.after] < r <= node_index[name]
-                    if op.after not in seen_b and not done_before:
-                        raise PlanError(f"{source}: step {k}: rule 'wgrad-after-dgrad': '{name}'"
-                                        f" runs before its dgrad '{op.after}'")
+                    for first, rule, what in ((op.after, "wgrad-after-dgrad", "its dgrad"),
+                                              (read_by.get(name), "reader-after-comm",
+                                               "the comm op it reads")):
+                        if first is None or first in seen_b:
+                            continue
+                        if not node_index[first] < r <= node_index[name]:
+                            raise PlanError(f"{source}: step {k}: rule '{rule}': '{name}' "
+                                            f"runs before {what} '{first}'")
                 else:
                     if bwd_order[name] != next_b:
                         raise PlanError(f"{source}: step {k}: rule 'chain-order': backward op "
@@ -187,6 +200,39 @@ def validate(plan: Plan, layer: LayerOps, source: str = "<plan>") -> None:
     if missing:
         raise PlanError(f"{source}: rule 'each-op-once': ops missing from the plan: "
                         f"{', '.join(missing)}")
+
+
+def check_order(layer: LayerOps, order: List[str], source: str = "<plan>") -> None:
+    """`order` is a legal order of one node's backward ops (`Plan.backward`): each op of
+    the layer once, the ops that are not wgrad ops in chain order, a wgrad op after its
+    `after` op, a comm op before its `reader`. Raises PlanError naming the rule."""
+    names = [o.name for o in layer.backward]
+    if sorted(order) != sorted(names):
+        extra = sorted(set(order) - set(names))
+        missing = sorted(set(names) - set(order))
+        raise PlanError(f"{source}: rule 'backward-order': field 'backward' must list each "
+                        f"backward op of this layer once (unknown: {extra or '-'}, missing: "
+                        f"{missing or '-'}); re-create the plan with `dhelix plan`")
+    pos = {n: i for i, n in enumerate(order)}
+    chain = [o.name for o in layer.backward if not o.wgrad]
+    if [n for n in order if n in set(chain)] != chain:
+        raise PlanError(f"{source}: rule 'backward-order': field 'backward' must keep the "
+                        f"chain's order of the ops that are not wgrad ops ({', '.join(chain)})")
+    for o in layer.backward:
+        for first, then in ((o.after, o.name), (o.name, o.reader)):
+            if first is not None and then is not None and then in pos and \
+                    pos[first] > pos[then]:
+                raise PlanError(f"{source}: rule 'backward-order': field 'backward' puts "
+                                f"'{then}' before '{first}', which it must follow")
+
+
+def ordered_backward(layer: LayerOps, order=None) -> List:
+    """The layer's backward OpSpecs in `order` (op names: a plan's `backward`); None or
+    the chain's own order: `layer.backward`."""
+    if order is None:
+        return list(layer.backward)
+    spec = {o.name: o for o in layer.backward}
+    return [spec[n] for n in order]
 
 
 def rotated_backward(chain: List, r: int) -> List:
@@ -261,13 +307,16 @@ def shape_difference(planned, current) -> str:
     return "; ".join(out)
 
 
-def new_plan(layer: LayerOps, steps: List[Step], meta: Dict, rotation: int = 0) -> Plan:
-    """A plan for `layer`, carrying the layer's shape (so a mismatch can name the field)."""
+def new_plan(layer: LayerOps, steps: List[Step], meta: Dict, rotation: int = 0,
+             order=None) -> Plan:
+    """A plan for `layer`, carrying the layer's shape (so a mismatch can name the field);
+    `order`: β's node order (default: the layer's chain)."""
     meta = dict(meta)
     if getattr(layer, "shape", None):
         meta.setdefault("shape", dict(layer.shape))
     return Plan(layer.signature(), [o.name for o in layer.forward],
-                [o.name for o in layer.backward], steps, meta, rotation)
+                list(order) if order is not None else [o.name for o in layer.backward],
+                steps, meta, rotation)
 
 
 def _plan(layer: LayerOps, steps: List[Step], made_by: str) -> Plan:

@@ -272,16 +272,18 @@ def readable_budget_error(e: BaseException) -> BaseException:
 
 def make_plan(shape: dict, table: Optional[str] = None, cluster: Optional[str] = None,
               memory_budget: Optional[float] = None, backend: str = "auto",
-              force: bool = False, rotate: bool = True):
+              force: bool = False, rotate: bool = True, reorder: bool = True):
     """Plan one layer shape; returns (plan, layer_ops) with the layer, shape and cost
     source in the plan's meta (what `dhelix simulate` and `dhelix train` read back).
-    With `rotate`, rotations of β's chain are tried for a co-step of the model's layers."""
+    With `rotate`, rotations of β's chain are tried for a co-step of the model's layers;
+    with `reorder`, other orders of β's node (`dp.plan`)."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
     layer = layer_for_shape(shape, node_size(cluster))
     costs, src = load_costs(layer, shape, table, cluster, force)
     p = dp.plan(layer, costs, memory_budget_bytes=memory_budget, backend=backend, force=force,
-                rotate=rotate, num_layers=load_model_config(shape["config"]).num_layers)
+                rotate=rotate, reorder=reorder,
+                num_layers=load_model_config(shape["config"]).num_layers)
     p.meta["layer"] = layer.to_json()
     p.meta["shape"] = dict(shape)
     p.meta["cost_source"] = src

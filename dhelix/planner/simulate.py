@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from dhelix.planner.costs import CostTable, TableError, concurrent
 from dhelix.planner.opspec import LANES, LayerOps
-from dhelix.planner.plan import Plan, rotated_backward, validate
+from dhelix.planner.plan import Plan, ordered_backward, rotated_backward, validate
 
 ALPHA, BETA = "alpha", "beta"
 LANE_ID = {name: k for k, name in enumerate(LANES)}
@@ -92,7 +92,8 @@ class LaneModel:
                  force: bool = False, source: str = "<table>",
                  readers: Optional[List[int]] = None,
                  lifetimes: Optional[List[Tuple[float, int]]] = None,
-                 overlap_slowdown: float = 1.0, rotation: int = 0):
+                 overlap_slowdown: float = 1.0, rotation: int = 0,
+                 order: Optional[List[str]] = None):
         """`readers` and `lifetimes` describe a program that is not a layer's chains (a
         scheduled graph, `helix/`): which op reads each comm op's result, and for each op
         the bytes of its output and the op after whose end they are freed (-1: never).
@@ -100,12 +101,13 @@ class LaneModel:
         saved and temporary bytes instead. `overlap_slowdown` stretches such a program's
         compute op that starts while one of its own collectives is in flight (a layer's
         chains take theirs from the table's pairs, one strand against the other).
-        `rotation` r: β's chain is the layer's backward rotated by r (`plan.Plan.rotation`);
-        indices into the backward then count in that order."""
+        `order`: β's node order (`plan.Plan.backward`; None: the layer's chain);
+        `rotation` r: that order rotated by r (`plan.Plan.rotation`); indices into the
+        backward then count in that order."""
         table.check(layer, source=source, pairs="concurrent", force=force)
         self.layer = layer
         self.rotation = rotation
-        bwd = rotated_backward(layer.backward, rotation)
+        bwd = rotated_backward(ordered_backward(layer, order), rotation)
         for o in list(layer.forward) + bwd:
             if o.lane not in LANE_ID:
                 raise ValueError(f"op '{o.name}': lane '{o.lane}' is not one of {LANES}")
@@ -291,7 +293,9 @@ def comm_readers(chain) -> List[int]:
         if o.lane == "compute":
             continue
         if o.reader is not None:
-            out[c] = next(k for k in range(c + 1, len(chain)) if chain[k].name == o.reader)
+            # (-1: the reader is the next node's, beyond a rotated chain's end)
+            out[c] = next((k for k in range(c + 1, len(chain)) if chain[k].name == o.reader),
+                          -1)
         elif o.wgrad:
             out[c] = next((k for k in range(c + 1, len(chain)) if chain[k].after == o.name),
                           -1)
@@ -318,7 +322,7 @@ def simulate(layer: LayerOps, plan: Plan, table: Optional[CostTable] = None, *,
         from dhelix.planner.costmodel import analytical_table
         table = analytical_table(layer, cluster, group_sizes or {}, dtype=dtype)
     model = LaneModel(layer, table, base_bytes=base_bytes, force=force,
-                      rotation=plan.rotation)
+                      rotation=plan.rotation, order=plan.backward)
     events: List[Event] = []
     starts: List[float] = []
     span, peak, _ = model.run(plan_indices(model, plan), mem0=model.base, events=events,

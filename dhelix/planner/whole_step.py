@@ -150,8 +150,8 @@ def simulate_step(layer: LayerOps, plan: Plan, table: CostTable, num_layers: int
     validate(plan, layer)
     model = LaneModel(layer, table, force=force)
     f, b = alone(model, plan)
-    rotated = LaneModel(layer, table, force=force, rotation=plan.rotation) \
-        if plan.rotation else model
+    rotated = LaneModel(layer, table, force=force, rotation=plan.rotation,
+                        order=plan.backward) if plan.rotation else model
     p = co_step_layers(rotated, plan, num_layers) / num_layers
     N = num_microbatches
     return _assemble("dhelix", num_layers, N, 1, 1, N - 1, f, b, p, extras)

@@ -73,7 +73,8 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
                                          dtype="bf16" if layer_ops.shape["dtype_bytes"] == 2
                                          else "fp32")
             return dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force,
-                           rotate=True, num_layers=getattr(layer_ops, "co_step_layers", None))
+                           rotate=True, reorder=True,
+                           num_layers=getattr(layer_ops, "co_step_layers", None))
         return PlanBook(seq_length, micro_batch_size, make_plan=make,
                         source=table_path or cluster)
     return PlanBook(seq_length, micro_batch_size, make_plan=paired_plan, source="built-in")

@@ -449,10 +449,10 @@ def plan_maker(pacer: Pacer, path: Optional[str] = None):
             p = Plan.load(path)
             validate(p, pacer.emulated, f"{path} (--dhelix-plan, for the --emulate shape)")
         else:
-            p = dp.plan(pacer.emulated, pacer.table, rotate=True)
-        return Plan(live.signature(), [o.name for o in live.forward],
-                    [o.name for o in live.backward], p.steps,
-                    dict(p.meta, planned_for=pacer.emulated.signature()), p.rotation)
+            p = dp.plan(pacer.emulated, pacer.table, rotate=True, reorder=True)
+        return Plan(live.signature(), [o.name for o in live.forward], list(p.backward),
+                    p.steps, dict(p.meta, planned_for=pacer.emulated.signature()),
+                    p.rotation)
     return make
 
 
