@@ -57,11 +57,14 @@ def test_ring_chain_structure(C):
         [f"kv_b_{i}" for i in range(C + 1)]
     assert all(o.kind == "comm" and o.collective == "send_recv" and o.lane == "inter"
                for o in comm)
-    # every wgrad (and wgrad re-gather) names an op before it in the backward chain
+    # every wgrad names an op before it in the backward chain, every re-gather (no
+    # `after`: it floats) a wgrad after it as its reader
     for k, o in enumerate(layer.backward):
-        if o.wgrad:
+        if o.wgrad and o.kind == "comm":
+            assert o.after is None and o.reader in b[k + 1:], o.name
+        elif o.wgrad:
             assert o.after in b[:k], o.name
-    assert ops(layer)["ag_attn_w"].after == "attn_in_b"
+    assert ops(layer)["ag_attn_w"].reader == "qkv_wgrad"
     assert layer.shape["cp"] == C
 
 
@@ -189,7 +192,7 @@ def test_cp_lane_from_the_cluster_file(tmp_path, capsys):
         out = str(tmp_path / f"p{gpn}.json")
         rc, stdout, err = run(["plan", *L66, "--seq-length", "16384",
                                "--context-parallel-size", "2", "--cluster", str(path),
-                               "--out", out], capsys)
+                               "--no-reorder", "--out", out], capsys)
         assert rc == 0, err
         layer = Plan.load(out).meta["layer"]
         lanes[gpn] = {o["lane"] for o in layer["forward"] + layer["backward"]
