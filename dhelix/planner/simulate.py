@@ -269,17 +269,33 @@ class LaneModel:
         return span, peak, mem
 
 
+# a pair's measured time up to this share of its shorter op above its longer op is
+# noise and launch cost (issuing the comm, on the thread), not a slowed compute
+PAIR_NOISE = 0.25
+
+
 def compute_slowdown(f, b, table: CostTable) -> float:
     """s for a compute op beside a comm op of the other strand (1 for any other pair):
     with the compute (alone tc) at rate 1/s while the comm (alone tm) runs, the two
     launched together end after tm + tc - tm/s; equal to the measured P when
     s = tm / (tc + tm - P). P <= max(tc, tm) means no slow-down (s = 1); P >= tc + tm
-    means the compute made no progress beside the comm (s = inf)."""
+    means the compute made no progress beside the comm (s = inf).
+
+    P is first lowered by PAIR_NOISE × min(tc, tm): where the comm is the longer op the
+    rate model has no s between 1 (P = tm) and tm / tc (P just above tm), so a P a hair
+    above tm — the measurement's noise, the comm's launch on the thread — would stretch
+    a short compute op to the comm's whole length (a 0.2 ms norm beside a 1.7 ms
+    all-gather to 1.7 ms, seen on the paced link's tables, where comm costs the cores
+    nothing); a link whose comm does slow the compute (a tbf loopback) measures P far
+    above that margin."""
     if not concurrent(f, b) or (f.lane == "compute") == (b.lane == "compute"):
         return 1.0
     tf, tb, p = table.alone_f[f.name], table.alone_b[b.name], table.pair[(f.name, b.name)]
     tc, tm = (tf, tb) if f.lane == "compute" else (tb, tf)
-    if tc <= 0.0 or tm <= 0.0 or p <= (tc if tc > tm else tm):
+    if tc <= 0.0 or tm <= 0.0:
+        return 1.0
+    p = p - PAIR_NOISE * (tc if tc < tm else tm)
+    if p <= (tc if tc > tm else tm):
         return 1.0
     rest = tc + tm - p
     return tm / rest if rest > 0.0 else float("inf")
