@@ -157,8 +157,9 @@ def plot(rows, path, methods=METHODS, baseline="megatron-core"):
                         linestyle="--", color=f"C{k}", label=f"{m} (simulated)")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xticks(xs)
-        ax.set_xticklabels(links)
-        ax.set_xlabel("link rate")
+        # long link names (paced:1gbit,20us,slow=0.15) would run into each other
+        ax.set_xticklabels(links, rotation=20, ha="right", fontsize=8)
+        ax.set_xlabel("link")
         ax.set_ylabel(f"speedup over {baseline}")
         ax.set_title(cfg)
         ax.legend(fontsize=7)
