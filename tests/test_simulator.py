@@ -16,8 +16,8 @@ from dhelix.planner.costs import CostTable, TableError
 from dhelix.planner.example_layer import random_layer, random_table, tp_sp_layer
 from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
 from dhelix.planner.plan import Plan, Step, trivial_plan
-from dhelix.planner.simulate import (ALPHA, BETA, PAIR_NOISE, LaneModel, plot_timeline, simulate,
-                                     to_chrome_trace)
+from dhelix.planner.simulate import (ALPHA, BETA, PAIR_NOISE, LaneModel, plot_timeline,
+                                     simulate, to_chrome_trace)
 
 from sim_fns import paired, table_for, two_op_layer  # noqa: E402
 

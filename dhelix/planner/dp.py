@@ -204,6 +204,11 @@ def _cpp_problem(model: LaneModel, L: _Legality):
                          model.base, model.f_reader, model.b_reader)
 
 
+def _problem(model: LaneModel, L: _Legality, use_cpp: bool):
+    """The DP's problem on a lane model: the C++ core's, or the Python one."""
+    return _cpp_problem(model, L) if use_cpp else _PyProblem(model, L)
+
+
 def _min_peak(L: _Legality, step) -> float:
     """The lowest peak any plan reaches (bottleneck DP over the same transitions)."""
     n, m = L.n, L.m
@@ -325,8 +330,7 @@ def _climb_order(layer: LayerOps, table: CostTable, base_bytes, backend: str,
 
     def carried(order):
         model = LaneModel(layer, table, base_bytes=base_bytes, force=force, order=order)
-        problem = _cpp_problem(model, legality) if use_cpp else _PyProblem(model, legality)
-        return problem.solve_carry()[0]
+        return _problem(model, legality, use_cpp).solve_carry()[0]
 
     spec = {o.name: o for o in layer.backward}
     floating = [o.name for o in layer.backward if o.wgrad]
@@ -379,7 +383,7 @@ def _plan_at(layer: LayerOps, table: Optional[CostTable], step_cost: Optional[St
     if table is not None:
         model = LaneModel(layer, table, base_bytes=base_bytes, force=force,
                           rotation=rotation, order=order)
-        problem = _cpp_problem(model, L) if use_cpp else _PyProblem(model, L)
+        problem = _problem(model, L, use_cpp)
 
     if step_cost is None:
         idx_cost = lambda i1, i2, j1, j2: problem.step(i1, i2, j1, j2)[0]
