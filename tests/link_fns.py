@@ -135,3 +135,42 @@ def train_with_stretch(**kw):
         "hook": link.stretch_hook, "stretched_s": link.stretched_s,
         "ops": link.stretched_ops, "slept_s": link.stretch_slept_s}
     return res
+
+
+def shm_sums():
+    """Sums over shared memory on a 3-rank group: each rank's inputs are known to every
+    rank, so each returns how far its results are from the left-to-right sums (rank 0 +
+    rank 1 + rank 2) and from the gathered rows, bit for bit; the all-reduce also on a
+    non-contiguous buffer (a transposed view)."""
+    from dhelix.links.paced import active
+    g = dist.new_group([0, 1, 2])
+    me = dist.get_rank()
+
+    def data(r, shape):        # rank r's input: values whose sums round differently
+        gen = torch.Generator().manual_seed(100 + r)
+        return torch.randn(shape, generator=gen) * 10 ** (r - 1)
+
+    def want_sum(shape):
+        acc = data(0, shape).clone()
+        for r in (1, 2):
+            acc += data(r, shape)
+        return acc
+
+    res = {}
+    x = data(me, (96, 64))
+    dist.all_reduce(x, group=g)
+    res["all_reduce"] = (x != want_sum((96, 64))).sum().item()
+    # a transposed (non-contiguous) buffer: summed in its own element order
+    base = data(me, (64, 96))
+    xt = base.t()
+    dist.all_reduce(xt, group=g)
+    res["all_reduce_noncontig"] = (xt != want_sum((64, 96)).t()).sum().item()
+    x = data(me, (96, 64))
+    out = torch.empty(32, 64)
+    dist.reduce_scatter_tensor(out, x, group=g)
+    res["reduce_scatter"] = (out != want_sum((96, 64))[32 * me:32 * (me + 1)]).sum().item()
+    out = torch.empty(3 * 32, 64)
+    dist.all_gather_into_tensor(out, data(me, (32, 64)), group=g)
+    res["all_gather"] = (out != torch.cat([data(r, (32, 64)) for r in range(3)])).sum().item()
+    res["shm_groups"] = sum(v is not None for v in active().shm_groups.values())
+    return res

@@ -227,6 +227,19 @@ def test_training_over_the_paced_link_is_unchanged(tmp_path):
                      what=f"rank {rank} dhelix losses with slow=0.5")
 
 
+def test_shm_sums_are_left_to_right_on_three_ranks():
+    """On a 3-rank group over the paced link (shared memory): all-reduce, reduce-scatter
+    (both summed straight into the output) and all-gather equal, bit for bit, the sums
+    rank 0 + rank 1 + rank 2 taken left to right and the gathered rows, on every rank; an
+    all-reduce on a transposed (non-contiguous) buffer too; and they did go through shared
+    memory (one segment group on each rank)."""
+    for rank, r in enumerate(run_ranks(link_fns.shm_sums, 3, env={"DHELIX_LINK": PACED},
+                                       timeout=120)):
+        assert r["shm_groups"] == 1, (rank, r)
+        for name in ("all_reduce", "all_reduce_noncontig", "reduce_scatter", "all_gather"):
+            assert r[name] == 0, (rank, name, r)
+
+
 def test_shm_attach_waits_for_a_segment_being_sized():
     """A peer's segment can exist with size 0 for a moment (between the owner's shm_open
     and its ftruncate): attaching waits instead of failing with "cannot mmap an empty

@@ -76,10 +76,19 @@ class _Segment:
             self.ctr[2] = READY           # after the counters: a new segment reads 0 here
         self.data = torch.frombuffer(self.shm.buf, dtype=torch.uint8, offset=HEADER,
                                      count=SLOTS * SLOT_BYTES)
+        self._views: Dict[tuple, torch.Tensor] = {}
 
     def slot(self, s: int, nbytes: int) -> torch.Tensor:
-        k = (s % SLOTS) * SLOT_BYTES
-        return self.data[k:k + nbytes]
+        # the views are cached: a layer's collectives reuse a handful of sizes, and
+        # slicing a tensor costs as much as copying a small message
+        key = (s % SLOTS, nbytes)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) >= 256:          # sizes without end: keep it bounded
+                self._views.clear()
+            k = key[0] * SLOT_BYTES
+            v = self._views[key] = self.data[k:k + nbytes]
+        return v
 
 
 class ShmGroup:
@@ -173,6 +182,25 @@ class ShmWork:
 
 # ---- the collectives, as (input to post, finish) pairs ------------------------------------
 
+def _sum_into(out: torch.Tensor, parts: List[torch.Tensor]) -> None:
+    """out = parts[0] + parts[1] + ..., added left to right (every rank the same sum,
+    bit for bit), written straight into `out` when it is contiguous: no temporary, one
+    pass over the memory for two ranks."""
+    if not out.is_contiguous():
+        acc = parts[0].clone()
+        for t in parts[1:]:
+            acc += t
+        out.copy_(acc.view(out.shape))
+        return
+    flat = out.view(-1)
+    if len(parts) == 1:
+        flat.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=flat)
+    for t in parts[2:]:
+        flat += t
+
+
 def all_gather(group: ShmGroup, out: torch.Tensor, inp: torch.Tensor) -> ShmWork:
     inp = inp.contiguous()
 
@@ -187,11 +215,7 @@ def reduce_scatter(group: ShmGroup, out: torch.Tensor, inp: torch.Tensor) -> Shm
     inp = inp.contiguous()
 
     def finish(slots):
-        mine = [sl.view(inp.dtype).view(group.n, -1)[group.i] for sl in slots]
-        acc = mine[0].clone()
-        for t in mine[1:]:
-            acc += t
-        out.view(-1).copy_(acc)
+        _sum_into(out, [sl.view(inp.dtype).view(group.n, -1)[group.i] for sl in slots])
     return group.issue(inp, finish)
 
 
@@ -199,11 +223,7 @@ def all_reduce(group: ShmGroup, tensor: torch.Tensor) -> ShmWork:
     src = tensor.contiguous()
 
     def finish(slots):
-        parts = [sl.view(tensor.dtype) for sl in slots]
-        acc = parts[0].clone()
-        for t in parts[1:]:
-            acc += t
-        tensor.copy_(acc.view(tensor.shape))
+        _sum_into(tensor, [sl.view(tensor.dtype) for sl in slots])
     return group.issue(src, finish)
 
 
