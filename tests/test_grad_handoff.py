@@ -266,6 +266,27 @@ def trained(**kw):
             "weights": r["weight_checksums"], "taken": n[0]}
 
 
+def trained_counting_engine_handoffs(**kw):
+    """A training run's numbers, and how many times parameter gradients were handed to
+    the autograd engine (`torch.autograd.backward` on leaf parameters)."""
+    import torch
+    from train_fns import train_result
+    backward, n = torch.autograd.backward, [0]
+
+    def counted(tensors, *a, **k):
+        ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if ts and all(isinstance(t, torch.nn.Parameter) for t in ts):
+            n[0] += 1
+        return backward(tensors, *a, **k)
+    torch.autograd.backward = counted
+    try:
+        r = train_result(**kw)
+    finally:
+        torch.autograd.backward = backward
+    return {"losses": r["losses"], "grads": r["grad_checksums"],
+            "weights": r["weight_checksums"], "engine": n[0]}
+
+
 # ---- tests -------------------------------------------------------------------------------
 def test_tiles1_holds_no_finished_gradient():
     r = run_ranks(held_gradients, 1, 1, timeout=300)[0]
@@ -410,3 +431,21 @@ def test_a_halved_node_holds_its_output_once():
     assert held[1] > res["out_bytes"] > 0, res
     assert held[2] == held[1], res
     assert res["gx_finite"] and res["gx_diff"] <= 1e-5, res
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_straight_to_megatron_ddp_hook(overlap):
+    """Weight gradients handed to megatron DDP's own hook (main_grad += grad, the bucket
+    told with --overlap-grad-reduce) without an autograd engine call, against
+    DHELIX_GRAD_DIRECT=0 (every hand-over through torch.autograd.backward): losses,
+    per-step gradient checksums and final weights equal bit for bit; the direct run
+    handed no parameter gradient to the engine, the other did."""
+    kw = dict(config="tiny", tensor_model_parallel_size=1, data_parallel_size=2,
+              train_iters=3, micro_batch_size=2, global_batch_size=12, checksums=True,
+              overlap_grad_reduce=overlap, dhelix={"enabled": True})
+    direct = run_ranks(trained_counting_engine_handoffs, 2, timeout=600, **kw)
+    engine = run_ranks(trained_counting_engine_handoffs, 2, timeout=600,
+                       env={"DHELIX_GRAD_DIRECT": "0"}, **kw)
+    assert [r.pop("engine") for r in direct] == [0, 0]
+    assert all(r.pop("engine") > 0 for r in engine)
+    assert direct == engine

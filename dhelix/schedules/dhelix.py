@@ -30,6 +30,7 @@ from dhelix.schedules.plans import PlanBook
 from dhelix.schedules.rotated import RotatedWalk
 from dhelix.strand.executor import Tracer, run_layer_step, run_tiles
 from dhelix.strand.lanes import Lanes, make_lanes
+from dhelix.strand.node import use_ddp_grad_hooks
 from dhelix.strand.layer import DHelixLayer
 
 
@@ -52,6 +53,7 @@ class DHelixSchedule:
         """`chunks`: the model, or the list of this rank's model chunks."""
         chunks = chunks if isinstance(chunks, list) else [chunks]
         self.lanes = make_lanes(next(chunks[0].parameters()).device)
+        use_ddp_grad_hooks(chunks)     # weight gradients straight to megatron DDP's hook
         # the layers' op chains (`--dhelix-mlp-chunks`), read when a program is built
         for c in chunks:
             for layer in [m for m in c.modules() if isinstance(m, DHelixLayer)]:

@@ -225,12 +225,41 @@ class GradHandoff:
                    for t in sums if t is not None)
 
 
+# a parameter's attribute: megatron DDP's post-hook for it (`use_ddp_grad_hooks`), to which
+# its gradient is handed directly
+DDP_HOOK = "_dhelix_ddp_grad_hook"
+
+
+def use_ddp_grad_hooks(chunks) -> int:
+    """From now on, the parameters of megatron's DDP wrappers `chunks` get their
+    gradients as megatron's DDP hook takes them (`megatron/grad_hooks.py`), not through
+    an autograd engine call; DHELIX_GRAD_DIRECT=0 keeps the engine path. Returns how many
+    parameters take the direct path."""
+    if os.environ.get("DHELIX_GRAD_DIRECT", "1") == "0":
+        return 0
+    from dhelix.megatron.grad_hooks import ddp_grad_hooks
+    hooks = ddp_grad_hooks(chunks)
+    for p, hook in hooks.items():
+        setattr(p, DDP_HOOK, hook)      # lives and dies with the parameter
+    return len(hooks)
+
+
 def accumulate_grads(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
-    """Hand finished gradients to the parameters' AccumulateGrad nodes: a leaf's backward
-    runs only those (and the hooks on them: megatron DDP's main_grad accumulation and
-    overlapped reduce), exactly once per parameter."""
-    if params:
-        torch.autograd.backward(params, grads)
+    """Hand finished gradients over, exactly once per parameter: to megatron DDP's hook
+    directly (main_grad accumulation and overlapped reduce, as its AccumulateGrad
+    post-hook does), or else to the parameters' AccumulateGrad nodes (a leaf's backward
+    runs only those, and the hooks on them)."""
+    rest_p, rest_g = [], []
+    for p, g in zip(params, grads):
+        hook = getattr(p, DDP_HOOK, None)
+        if hook is None or p.grad is not None:
+            rest_p.append(p)
+            rest_g.append(g)
+            continue
+        p.grad = g            # what AccumulateGrad stores; the hook adds it and clears it
+        hook()
+    if rest_p:
+        torch.autograd.backward(rest_p, rest_g)
 
 
 def _tile_meta(meta: dict, tiles: int) -> List[dict]:

@@ -1,0 +1,35 @@
+"""Megatron DDP's gradient hook per parameter, for handing a finished gradient over
+without the autograd engine.
+
+megatron's DDP registers, on each parameter's AccumulateGrad, a post-hook that adds
+`param.grad` to `param.main_grad`, sets `param.grad` to None and, with
+`overlap_grad_reduce`, tells the parameter's bucket that its gradient is ready. A DHelix
+node's gradient is made outside autograd; handed to AccumulateGrad by
+`torch.autograd.backward`, it costs an engine call and a copy of the gradient (the engine
+holds references to it, so AccumulateGrad cannot take it over) before that hook runs. Here
+the same hook (megatron's own function, made for the parameter) runs directly on the
+gradient: the same `main_grad` sum, the same bucket bookkeeping, no engine, no copy."""
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+
+
+def ddp_grad_hooks(chunks) -> Dict[torch.nn.Parameter, Callable[[], None]]:
+    """For the parameters of megatron DDP wrappers among `chunks`: the post-hook DDP
+    registered on their AccumulateGrad (a fresh closure of DDP's `_make_backward_post_hook`,
+    which does the same). Parameters whose hook DDP registers elsewhere
+    (`delay_wgrad_compute`) and wrappers without that method are left out: their
+    gradients go through autograd."""
+    hooks = {}
+    for c in chunks:
+        make = getattr(c, "_make_backward_post_hook", None)
+        cfg = getattr(c, "ddp_config", None)
+        if make is None or cfg is None:
+            continue
+        for p in c.module.parameters():
+            if p.requires_grad and not (getattr(cfg, "delay_wgrad_compute", False)
+                                        and getattr(p, "skip_backward_post_hook", False)):
+                hooks[p] = make(p)
+    return hooks
