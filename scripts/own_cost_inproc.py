@@ -1,0 +1,92 @@
+"""DHelix's own cost with the machine's drift taken out: megatron's forward-backward and
+DHelix's (a plan, default the trivial one: megatron's ops in megatron's order, nothing
+paired) on two models with the same weights, in the same rank processes, alternating
+every step (which goes first alternates too). Prints each pair and the median of the
+per-pair ratios (megatron ms / DHelix ms: above 1 DHelix is faster). Forward-backward
+only: the optimizer step is megatron's in both.
+
+    torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1000gbit --pairs 8
+    torchrun --nproc-per-node 1 scripts/own_cost_inproc.py --link none
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--link", default="none")
+    p.add_argument("--pairs", type=int, default=8)
+    p.add_argument("--config", default="small16")
+    p.add_argument("--plan", default="trivial")
+    a = p.parse_args()
+    os.environ["DHELIX_LINK"] = a.link          # read when the rank joins the group
+    import torch
+    from dhelix.base.memory import METER
+    from dhelix.cli import build_parser
+    from dhelix.cli.train import train_config_from_args
+    from dhelix.train.build import build
+    from dhelix.train.config import check_layout
+    from dhelix.train.data import make_batches
+    from dhelix.train.dist import init_distributed
+    from dhelix.train.schedules import make_schedule
+    from dhelix.train.trainer import _to_device, forward_step, model_of, setup_megatron
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    argv = ["train", "--config", a.config, "--tensor-model-parallel-size", str(world),
+            "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "32",
+            "--data", "synthetic", "--link", a.link] + \
+        (["--sequence-parallel"] if world > 1 else [])
+    parser = build_parser()
+    cfgs = {"megatron": train_config_from_args(parser.parse_args(argv)),
+            "dhelix": train_config_from_args(parser.parse_args(
+                argv + ["--dhelix", "--dhelix-plan", a.plan]))}
+    cfg = cfgs["megatron"]
+    m = model_of(cfg)
+    info = init_distributed()
+    layout = check_layout(cfg, m, info.world_size)
+    tconfig = setup_megatron(cfg, m, layout)
+    runs = {}
+    for name, c in cfgs.items():         # same seed: the same weights
+        schedule = make_schedule(c.dhelix)
+        chunks = build(c, m, tconfig, layout, info.device, schedule.layer_module,
+                       layout.fold).chunks
+        schedule.prepare(chunks, tconfig)
+        schedule.check(chunks, c.seq_length, c.micro_batch_size)
+        runs[name] = (schedule, chunks)
+    data = _to_device(make_batches(
+        cfg.data, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+        num_microbatches=layout.num_microbatches, vocab_size=m.vocab_size, seed=cfg.seed,
+        dp_rank=0, dp_size=1, data_path=None, start_step=0), info.device, 1)
+    times = {name: [] for name in runs}
+    for i in range(a.pairs + 1):         # the first pair warms up, not counted
+        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+            schedule, chunks = runs[name]
+            for c in chunks:
+                c.zero_grad_buffer()
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            with METER.autograd():
+                schedule.forward_backward(
+                    forward_step_func=forward_step, data_iterator=data, model=chunks[0],
+                    num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
+                    micro_batch_size=cfg.micro_batch_size, forward_only=False)
+            times[name].append(time.perf_counter() - t0)
+        if info.rank == 0:
+            mg, dh = times["megatron"][-1], times["dhelix"][-1]
+            print(f"pair {i}{' (warm-up)' if i == 0 else ''}: megatron {mg * 1e3:7.0f} ms  "
+                  f"DHelix {dh * 1e3:7.0f} ms  {mg / dh:.3f}x", flush=True)
+    if info.rank == 0:
+        ratios = [x / y for x, y in zip(times["megatron"][1:], times["dhelix"][1:])]
+        print(f"{a.link}: median of {a.pairs} pairs {statistics.median(ratios):.3f}x "
+              f"(range {min(ratios):.3f}-{max(ratios):.3f}); median step megatron "
+              f"{statistics.median(times['megatron'][1:]) * 1e3:.0f} ms, DHelix "
+              f"{statistics.median(times['dhelix'][1:]) * 1e3:.0f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
