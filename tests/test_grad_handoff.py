@@ -449,3 +449,20 @@ def test_gradients_straight_to_megatron_ddp_hook(overlap):
     assert [r.pop("engine") for r in direct] == [0, 0]
     assert all(r.pop("engine") > 0 for r in engine)
     assert direct == engine
+
+
+def test_no_direct_hook_outside_megatron_ddp():
+    """A module not wrapped in megatron's DDP (the standalone layer, another wrapper)
+    gets no direct hook: its gradients go through autograd."""
+    import torch
+    from dhelix.megatron.grad_hooks import ddp_grad_hooks
+    class LooksLikeDDP(torch.nn.Module):      # DDP's attributes, not megatron's class
+        ddp_config = object()
+
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+
+        def _make_backward_post_hook(self, p):
+            return lambda *a: None
+    assert ddp_grad_hooks([torch.nn.Linear(2, 2), LooksLikeDDP()]) == {}

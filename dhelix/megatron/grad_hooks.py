@@ -20,14 +20,15 @@ def ddp_grad_hooks(chunks) -> Dict[torch.nn.Parameter, Callable[[], None]]:
     """For the parameters of megatron DDP wrappers among `chunks`: the post-hook DDP
     registered on their AccumulateGrad (a fresh closure of DDP's `_make_backward_post_hook`,
     which does the same). Parameters whose hook DDP registers elsewhere
-    (`delay_wgrad_compute`) and wrappers without that method are left out: their
-    gradients go through autograd."""
+    (`delay_wgrad_compute`) and other wrappers (megatron's FSDP, torch's DDP) are left
+    out: their gradients go through autograd."""
+    from megatron.core.distributed import DistributedDataParallel
     hooks = {}
     for c in chunks:
         make = getattr(c, "_make_backward_post_hook", None)
         cfg = getattr(c, "ddp_config", None)
-        if make is None or cfg is None:
-            continue
+        if not isinstance(c, DistributedDataParallel) or make is None or cfg is None:
+            continue          # another wrapper (FSDP, torch's DDP): autograd's path
         for p in c.module.parameters():
             if p.requires_grad and not (getattr(cfg, "delay_wgrad_compute", False)
                                         and getattr(p, "skip_backward_post_hook", False)):
