@@ -252,7 +252,9 @@ def accumulate_grads(params: List[torch.Tensor], grads: List[torch.Tensor]) -> N
     rest_p, rest_g = [], []
     for p, g in zip(params, grads):
         hook = getattr(p, DDP_HOOK, None)
-        if hook is None or p.grad is not None:
+        # the engine casts a gradient of another dtype to the parameter's; .grad would
+        # refuse it: such a one (and a parameter already holding a grad) takes that path
+        if hook is None or p.grad is not None or g.dtype != p.dtype:
             rest_p.append(p)
             rest_g.append(g)
             continue
