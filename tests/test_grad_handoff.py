@@ -454,7 +454,7 @@ def test_no_direct_hook_outside_megatron_ddp():
     """A module not wrapped in megatron's DDP (the standalone layer, another wrapper)
     gets no direct hook: its gradients go through autograd."""
     import torch
-    from dhelix.megatron.grad_hooks import ddp_grad_hooks
+    from dhelix.schedules.grad_hooks import ddp_grad_hooks
     class LooksLikeDDP(torch.nn.Module):      # DDP's attributes, not megatron's class
         ddp_config = object()
 

@@ -26,11 +26,11 @@ from typing import Optional
 
 from dhelix.schedules.microbatch import (BackwardWalk, Microbatch, MicrobatchSteps,
                                          unwrap_and_evaluate)
+from dhelix.schedules.grad_hooks import use_ddp_grad_hooks
 from dhelix.schedules.plans import PlanBook
 from dhelix.schedules.rotated import RotatedWalk
 from dhelix.strand.executor import Tracer, run_layer_step, run_tiles
 from dhelix.strand.lanes import Lanes, make_lanes
-from dhelix.strand.node import use_ddp_grad_hooks
 from dhelix.strand.layer import DHelixLayer
 
 

@@ -225,23 +225,9 @@ class GradHandoff:
                    for t in sums if t is not None)
 
 
-# a parameter's attribute: megatron DDP's post-hook for it (`use_ddp_grad_hooks`), to which
-# its gradient is handed directly
+# a parameter's attribute: megatron DDP's post-hook for it, to which its gradient is
+# handed directly (set by `schedules/grad_hooks.py`)
 DDP_HOOK = "_dhelix_ddp_grad_hook"
-
-
-def use_ddp_grad_hooks(chunks) -> int:
-    """From now on, the parameters of megatron's DDP wrappers `chunks` get their
-    gradients as megatron's DDP hook takes them (`megatron/grad_hooks.py`), not through
-    an autograd engine call; DHELIX_GRAD_DIRECT=0 keeps the engine path. Returns how many
-    parameters take the direct path."""
-    if os.environ.get("DHELIX_GRAD_DIRECT", "1") == "0":
-        return 0
-    from dhelix.megatron.grad_hooks import ddp_grad_hooks
-    hooks = ddp_grad_hooks(chunks)
-    for p, hook in hooks.items():
-        setattr(p, DDP_HOOK, hook)      # lives and dies with the parameter
-    return len(hooks)
 
 
 def accumulate_grads(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:

@@ -11,9 +11,12 @@ the same hook (megatron's own function, made for the parameter) runs directly on
 gradient: the same `main_grad` sum, the same bucket bookkeeping, no engine, no copy."""
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict
 
 import torch
+
+from dhelix.strand.node import DDP_HOOK
 
 
 def ddp_grad_hooks(chunks) -> Dict[torch.nn.Parameter, Callable[[], None]]:
@@ -34,3 +37,16 @@ def ddp_grad_hooks(chunks) -> Dict[torch.nn.Parameter, Callable[[], None]]:
                                         and getattr(p, "skip_backward_post_hook", False)):
                 hooks[p] = make(p)
     return hooks
+
+
+def use_ddp_grad_hooks(chunks) -> int:
+    """From now on, the parameters of megatron's DDP wrappers `chunks` get their
+    gradients as megatron's DDP hook takes them (`strand.node.accumulate_grads`), not
+    through an autograd engine call; DHELIX_GRAD_DIRECT=0 keeps the engine path. Returns
+    how many parameters take the direct path."""
+    if os.environ.get("DHELIX_GRAD_DIRECT", "1") == "0":
+        return 0
+    hooks = ddp_grad_hooks(chunks)
+    for p, hook in hooks.items():
+        setattr(p, DDP_HOOK, hook)      # lives and dies with the parameter
+    return len(hooks)
