@@ -184,21 +184,17 @@ class ShmWork:
 
 def _sum_into(out: torch.Tensor, parts: List[torch.Tensor]) -> None:
     """out = parts[0] + parts[1] + ..., added left to right (every rank the same sum,
-    bit for bit), written straight into `out` when it is contiguous: no temporary, one
-    pass over the memory for two ranks."""
-    if not out.is_contiguous():
-        acc = parts[0].clone()
-        for t in parts[1:]:
-            acc += t
-        out.copy_(acc.view(out.shape))
-        return
-    flat = out.view(-1)
+    bit for bit), written straight into `out` when it is contiguous (no temporary, one
+    pass over the memory for two ranks), else through one contiguous temporary."""
+    dst = out.view(-1) if out.is_contiguous() else torch.empty_like(parts[0])
     if len(parts) == 1:
-        flat.copy_(parts[0])
-        return
-    torch.add(parts[0], parts[1], out=flat)
+        dst.copy_(parts[0])
+    else:
+        torch.add(parts[0], parts[1], out=dst)
     for t in parts[2:]:
-        flat += t
+        dst += t
+    if not out.is_contiguous():
+        out.copy_(dst.view(out.shape))
 
 
 def all_gather(group: ShmGroup, out: torch.Tensor, inp: torch.Tensor) -> ShmWork:

@@ -28,14 +28,13 @@ def ddp_grad_hooks(chunks) -> Dict[torch.nn.Parameter, Callable[[], None]]:
     from megatron.core.distributed import DistributedDataParallel
     hooks = {}
     for c in chunks:
-        make = getattr(c, "_make_backward_post_hook", None)
-        cfg = getattr(c, "ddp_config", None)
-        if not isinstance(c, DistributedDataParallel) or make is None or cfg is None:
+        if not isinstance(c, DistributedDataParallel):
             continue          # another wrapper (FSDP, torch's DDP): autograd's path
+        delayed = getattr(c.ddp_config, "delay_wgrad_compute", False)
         for p in c.module.parameters():
-            if p.requires_grad and not (getattr(cfg, "delay_wgrad_compute", False)
-                                        and getattr(p, "skip_backward_post_hook", False)):
-                hooks[p] = make(p)
+            if p.requires_grad and not (delayed and getattr(p, "skip_backward_post_hook",
+                                                            False)):
+                hooks[p] = c._make_backward_post_hook(p)
     return hooks
 
 
