@@ -8,7 +8,7 @@
 //
 // Python API:
 //   Problem(f_lane, b_lane, f_T, b_T, f_saved, b_saved, f_temp, b_temp,
-//           stretch_flat[n*m], base_bytes, f_reader, b_reader)
+//           stretch_flat[n*m], base_bytes, f_reader, b_reader, f_host=[], b_host=[])
 //     .step(i1, i2, j1, j2)            -> (time, peak_bytes)      (memoized)
 //     .step_indices(fidx, bidx, mem0)  -> (time, peak_bytes, bytes_at_end)
 //     .level(i, j)                     -> bytes alive at state (i, j)
@@ -109,13 +109,17 @@ class Problem {
   Problem(std::vector<int> f_lane, std::vector<int> b_lane, std::vector<double> f_T, std::vector<double> b_T,
           std::vector<double> f_saved, std::vector<double> b_saved, std::vector<double> f_temp,
           std::vector<double> b_temp, std::vector<double> S, double base,
-          std::vector<int> f_reader, std::vector<int> b_reader)
+          std::vector<int> f_reader, std::vector<int> b_reader, std::vector<double> f_H,
+          std::vector<double> b_H)
       : f_lane_(std::move(f_lane)), b_lane_(std::move(b_lane)),
         f_reader_(std::move(f_reader)), b_reader_(std::move(b_reader)), f_T_(std::move(f_T)),
         b_T_(std::move(b_T)), f_saved_(std::move(f_saved)), b_saved_(std::move(b_saved)),
-        f_temp_(std::move(f_temp)), b_temp_(std::move(b_temp)), S_(std::move(S)), base_(base) {
+        f_temp_(std::move(f_temp)), b_temp_(std::move(b_temp)), S_(std::move(S)),
+        f_H_(std::move(f_H)), b_H_(std::move(b_H)), base_(base) {
     n_ = static_cast<int>(f_lane_.size());
     m_ = static_cast<int>(b_lane_.size());
+    if (f_H_.empty()) f_H_.assign(n_, 0.0);   // no host times given: comm ops cost none
+    if (b_H_.empty()) b_H_.assign(m_, 0.0);
     auto need = [](size_t got, size_t want, const char* what) {
       if (got != want)
         throw std::invalid_argument(std::string("Problem: ") + what + " has the wrong length");
@@ -129,6 +133,8 @@ class Problem {
     need(S_.size(), static_cast<size_t>(n_) * m_, "stretch");
     need(f_reader_.size(), n_, "f_reader");
     need(b_reader_.size(), m_, "b_reader");
+    need(f_H_.size(), n_, "f_host");
+    need(b_H_.size(), m_, "b_host");
     for (int v : f_lane_)
       if (v < 0 || v > 2) throw std::invalid_argument("Problem: f_lane must be 0, 1 or 2");
     for (int v : b_lane_)
@@ -228,7 +234,7 @@ class Problem {
         end = st + (x == 0 ? f_T_[k] : b_T_[k]);
         lane_free[ln] = end;
         comms.push_back({x, k, st, end});
-        t = ready;
+        t = ready + (x == 0 ? f_H_[k] : b_H_[k]);
         if (nq == 2) cur = 1 - cur;
       }
       const int seq_a = static_cast<int>(mevs.size());
@@ -351,7 +357,7 @@ class Problem {
 
   int n_ = 0, m_ = 0;
   std::vector<int> f_lane_, b_lane_, f_reader_, b_reader_;
-  std::vector<double> f_T_, b_T_, f_saved_, b_saved_, f_temp_, b_temp_, S_;
+  std::vector<double> f_T_, b_T_, f_saved_, b_saved_, f_temp_, b_temp_, S_, f_H_, b_H_;
   double base_;
   Legality L_;
   std::vector<double> f_pre_, b_pre_;
@@ -380,10 +386,11 @@ PYBIND11_MODULE(_planner_core, mod) {
       .def(py::init<std::vector<int>, std::vector<int>, std::vector<double>, std::vector<double>,
                     std::vector<double>, std::vector<double>, std::vector<double>,
                     std::vector<double>, std::vector<double>, double, std::vector<int>,
-                    std::vector<int>>(),
+                    std::vector<int>, std::vector<double>, std::vector<double>>(),
            py::arg("f_lane"), py::arg("b_lane"), py::arg("f_T"), py::arg("b_T"), py::arg("f_saved"),
            py::arg("b_saved"), py::arg("f_temp"), py::arg("b_temp"), py::arg("stretch"),
-           py::arg("base_bytes"), py::arg("f_reader"), py::arg("b_reader"))
+           py::arg("base_bytes"), py::arg("f_reader"), py::arg("b_reader"),
+           py::arg("f_host") = std::vector<double>(), py::arg("b_host") = std::vector<double>())
       .def("step", &Problem::step, py::arg("i1"), py::arg("i2"), py::arg("j1"), py::arg("j2"))
       .def("step_indices", &Problem::step_indices, py::arg("fidx"), py::arg("bidx"),
            py::arg("mem0") = 0.0)

@@ -54,6 +54,26 @@ def test_roundtrip_json_and_csv(tmp_path):
     assert math.isclose(float(r[5]), u.oef(r[0], r[1]))
 
 
+def test_host_times_roundtrip_and_are_checked(tmp_path):
+    """A comm op's host times (`host_f`/`host_b`) are written only when measured, read
+    back as written, and a bad entry is named."""
+    layer = small_layer()
+    t = full_table(layer)
+    p = tmp_path / "t.json"
+    t.save(str(p))
+    assert "host_f" not in json.loads(p.read_text())
+    assert CostTable.load(str(p)).host_f == {}
+    comm = next(o.name for o in layer.backward if o.lane != "compute")
+    t.host_b = {comm: 2.5e-4}
+    t.save(str(p))
+    assert CostTable.load(str(p), layer=layer).host_b == {comm: 2.5e-4}
+    d = json.loads(p.read_text())
+    d["host_b"][comm] = "fast"
+    p.write_text(json.dumps(d))
+    with pytest.raises(TableError, match=rf"host_b\[{comm}\]"):
+        CostTable.load(str(p))
+
+
 def test_oef_definition():
     layer = small_layer()
     t = CostTable.empty(layer)

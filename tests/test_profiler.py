@@ -30,6 +30,10 @@ def test_profile_writes_table_with_provenance(tmp_path):
     assert set(t.alone_f) == {o.name for o in layer.forward}
     assert set(t.alone_b) == {o.name for o in layer.backward}
     assert all(v > 0 for v in list(t.alone_f.values()) + list(t.pair.values()))
+    # every comm op's own work on the thread (issue and finish), and only the comm ops'
+    for host, ops in ((t.host_f, layer.forward), (t.host_b, layer.backward)):
+        assert set(host) == {o.name for o in ops if o.lane != "compute"}
+        assert all(0 < v < 1.0 for v in host.values()), host
     prov = t.provenance
     for key in ("model", "seq_length", "dtype", "tensor_model_parallel_size", "node_ids",
                 "hardware", "versions", "world_size"):

@@ -297,12 +297,38 @@ def test_table_checks_in_simulate():
         simulate(layer, paired(layer))
 
 
+def test_a_comm_holds_the_thread_for_its_host_time():
+    """The table's host time of a comm op (issuing it, the paced link's copies) is the
+    thread's: the ops after it start that much later; the comm itself starts at issue,
+    and its reader still waits for its end."""
+    B = [OpSpec("dgrad", COMPUTE, "compute"), OpSpec("rs", COMM, "intra", group="tp"),
+         OpSpec("wgrad", COMPUTE, "compute", wgrad=True, after="dgrad"),
+         OpSpec("ln_b", COMPUTE, "compute")]
+    layer = LayerOps([OpSpec("f", COMPUTE, "compute")], B)
+    t = CostTable.empty(layer)
+    t.alone_f["f"] = 1.0
+    t.alone_b.update(dgrad=1.0, rs=3.0, wgrad=1.0, ln_b=1.0)
+    for b in B:
+        t.pair[("f", b.name)] = max(1.0, t.alone_b[b.name])
+    plan = Plan(layer.signature(), ["f"], [b.name for b in B],
+                [Step([], [b.name for b in B]), Step(["f"], [])])
+    for host, wgrad, ln_b in ((0.5, (1.5, 2.5), (4.0, 5.0)),     # hidden under the comm
+                              (3.5, (4.5, 5.5), (5.5, 6.5))):    # longer than the comm
+        t.host_b = {"rs": host}
+        ev = {e[1]: e for e in simulate(layer, plan, t).events}
+        assert ev["rs"][3:] == (1.0, 4.0)
+        assert ev["wgrad"][3:] == wgrad and ev["ln_b"][3:] == ln_b
+    # a compute op's entry (none is measured) is never charged
+    t.host_b = {"wgrad": 5.0}
+    assert simulate(layer, plan, t).makespan == 6.0
+
+
 def test_cpp_step_matches_python_bitwise(cpp_core):
     core = cpp_core
     rng = random.Random(7)
     for _ in range(300):
         layer = random_layer(rng)
-        table = random_table(layer, rng)
+        table = random_table(layer, rng, host=rng.random() < 0.5)
         model = LaneModel(layer, table)
         from dhelix.planner.dp import _Legality, _cpp_problem
         prob = _cpp_problem(model, _Legality(layer))

@@ -10,6 +10,11 @@ A `CostTable` is plain data.  For one layer (identified by `LayerOps.signature()
   inside a whole layer step (its inputs just produced by the ops before it, the other
   strand's tensors alive), which the simulator takes as the op's duration where given;
   the alone times stay the basis of the pairs' overlap factors,
+* optionally ``host_f[name]`` / ``host_b[name]`` -- seconds of a comm op's own work on
+  the thread that issues it (issuing it, and finishing it once its data is there; on the
+  paced link also copying its bytes in and out), which the simulator charges to the
+  thread when the op is issued; absent means 0 (on CUDA a launch does not hold the
+  compute stream, so the profiler writes none there),
 
 plus a free-form ``provenance`` dict that records what it was measured on (model shape,
 dtype, parallel sizes, hardware, library versions, or "analytical" and the cluster file),
@@ -25,6 +30,7 @@ File format (JSON)::
      "alone_f": {"qkv": 1.2e-3, ...}, "alone_b": {...},
      "pair": {"qkv": {"rs_mlp_b": 1.5e-3, ...}, ...},      # pair[f][b]
      "in_step_f": {...}, "in_step_b": {...},                # optional
+     "host_f": {"ag_attn": 2.1e-4, ...}, "host_b": {...},   # optional, comm ops
      "step_extras": {"pre_fwd_s": ..., "pre_bwd_s": ..., "post_fwd_s": ...,
                      "post_bwd_s": ..., "optimizer_s": ..., "finalize_s": ...,
                      "zero_grad_s": ..., "num_layers": 16,
@@ -132,6 +138,8 @@ class CostTable:
     in_step_f: Dict[str, float] = field(default_factory=dict)
     in_step_b: Dict[str, float] = field(default_factory=dict)
     step_extras: Optional[StepExtras] = None
+    host_f: Dict[str, float] = field(default_factory=dict)
+    host_b: Dict[str, float] = field(default_factory=dict)
 
     # ---- construction ---------------------------------------------------------------
     @staticmethod
@@ -218,6 +226,8 @@ class CostTable:
              "alone_f": dict(self.alone_f), "alone_b": dict(self.alone_b),
              "pair": nested, "in_step_f": dict(self.in_step_f),
              "in_step_b": dict(self.in_step_b)}
+        if self.host_f or self.host_b:           # absent where not measured
+            d["host_f"], d["host_b"] = dict(self.host_f), dict(self.host_b)
         if self.step_extras is not None:         # absent, not null: old readers ignore it
             d["step_extras"] = self.step_extras.to_json()
         d["provenance"] = self.provenance
@@ -255,7 +265,7 @@ class CostTable:
         if not isinstance(prov, dict):
             raise TableError(f"{source}: field 'provenance' must be an object")
         in_step = []
-        for key in ("in_step_f", "in_step_b"):
+        for key in ("in_step_f", "in_step_b", "host_f", "host_b"):
             v = d.get(key, {})
             if not isinstance(v, dict):
                 raise TableError(f"{source}: field '{key}' must be an object")
@@ -265,7 +275,7 @@ class CostTable:
             extras = StepExtras.from_json(extras, source)
         return CostTable(str(d["signature"]), [str(n) for n in d["forward"]],
                          [str(n) for n in d["backward"]], alone_f, alone_b, pair, prov,
-                         in_step[0], in_step[1], extras)
+                         in_step[0], in_step[1], extras, in_step[2], in_step[3])
 
     @staticmethod
     def load(path: str, layer: Optional[LayerOps] = None, pairs: str = "all",

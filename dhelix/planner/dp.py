@@ -201,7 +201,7 @@ def _dense_costs(L: _Legality, cost: Callable[[int, int, int, int], float]) -> L
 def _cpp_problem(model: LaneModel, L: _Legality):
     flat_S = [v for row in model.S for v in row]
     return _core.Problem(model.f_lane, model.b_lane, model.f_T, model.b_T, model.f_saved, model.b_saved, model.f_temp, model.b_temp, flat_S,
-                         model.base, model.f_reader, model.b_reader)
+                         model.base, model.f_reader, model.b_reader, model.f_H, model.b_H)
 
 
 def _problem(model: LaneModel, L: _Legality, use_cpp: bool):

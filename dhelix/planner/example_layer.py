@@ -136,10 +136,12 @@ def random_layer(rng, n_fwd=None, n_bwd=None, groups=None, regathers=False) -> L
     return LayerOps(fwd, bwd)
 
 
-def random_table(layer: LayerOps, rng, same_lane_sum: bool = True):
+def random_table(layer: LayerOps, rng, same_lane_sum: bool = True, host: bool = False):
     """A random, complete CostTable for ``layer``: alone times in [0.1, 2] (some exact
     zeros), pair times between max(T_f, T_b) and 1.3 (T_f + T_b) for ops on different
-    lanes, T_f + T_b on the same lane (with ``same_lane_sum``)."""
+    lanes, T_f + T_b on the same lane (with ``same_lane_sum``); with ``host``, most comm
+    ops get a host time in [0, 0.3] (drawn after the rest: the other entries are those
+    of the same rng without it)."""
     from dhelix.planner.costs import CostTable
     t = CostTable.empty(layer, provenance={"source": "random"})
     for o in layer.forward:
@@ -154,4 +156,9 @@ def random_table(layer: LayerOps, rng, same_lane_sum: bool = True):
             else:
                 p = max(tf, tb) + rng.uniform(0.0, 1.3) * min(tf, tb)
             t.pair[(f.name, b.name)] = p
+    if host:
+        for ops, out in ((layer.forward, t.host_f), (layer.backward, t.host_b)):
+            for o in ops:
+                if o.lane != "compute" and rng.random() < 0.8:
+                    out[o.name] = round(rng.uniform(0.0, 0.3), 3)
     return t

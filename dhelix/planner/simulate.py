@@ -10,9 +10,11 @@ A step is replayed the way the executor (`strand.executor.execute_step`) runs it
   whose result it reads (`readers`) have ended, and the thread is busy until it ends.
   So the two strands' compute never overlaps, and a strand that waits for its own comm
   stalls the thread, as in the executor.
-* A comm op is issued when the thread reaches it (and its own input is ready) and costs
-  the thread nothing; it runs on its lane (`intra` or `inter`) first-in first-out: it
-  starts when the lane is free. Ops of one strand therefore overlap too: a wgrad beside
+* A comm op is issued when the thread reaches it (and its own input is ready) and holds
+  the thread for its host time (the table's `host_f`/`host_b`: issuing it and finishing
+  it, on the paced link also its shared-memory copies; 0 where not measured, as on
+  CUDA), charged at issue; it runs on its lane (`intra` or `inter`) first-in first-out:
+  it starts when the lane is free and when it is issued. Ops of one strand therefore overlap too: a wgrad beside
   the reduce-scatter issued just before it, a dgrad beside the re-gather for the wgrad.
 * Interference: a compute op running while the other strand's comm op is on its lane
   progresses at rate 1/s; the comm keeps its alone time. s comes from the pair table so
@@ -119,6 +121,11 @@ class LaneModel:
         self.f_T = [float(table.in_step_f.get(o.name, table.alone_f[o.name]))
                     for o in layer.forward]
         self.b_T = [float(table.in_step_b.get(o.name, table.alone_b[o.name])) for o in bwd]
+        # a comm op's host time on the thread (module doc); 0 for compute ops
+        self.f_H = [float(table.host_f.get(o.name, 0.0)) if o.lane != "compute" else 0.0
+                    for o in layer.forward]
+        self.b_H = [float(table.host_b.get(o.name, 0.0)) if o.lane != "compute" else 0.0
+                    for o in bwd]
         self.f_saved = [float(o.saved_bytes) for o in layer.forward]
         self.b_saved = [float(o.saved_bytes) for o in bwd]
         self.f_temp = [float(o.temp_bytes) for o in layer.forward]
@@ -167,6 +174,7 @@ class LaneModel:
         (Problem::simulate)."""
         lanes = (self.f_lane, self.b_lane)
         T = (self.f_T, self.b_T)
+        H = (self.f_H, self.b_H)
         reader = (self.f_reader, self.b_reader)
         S = self.S
         qs = [(0, list(fidx)), (1, list(bidx))]
@@ -231,7 +239,7 @@ class LaneModel:
                 end = st + T[x][k]
                 lane_free[ln] = end
                 comms.append((x, k, st, end))
-                t = ready
+                t = ready + H[x][k]
                 if len(qs) == 2:
                     cur = 1 - cur
             mevs.append((ready, 1, len(mevs), alloc))

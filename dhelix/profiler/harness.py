@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dhelix.models.config import ModelConfig
+from dhelix.planner.opspec import COMM
 from dhelix.planner.plan import Plan, trivial_plan
 from dhelix.strand.executor import execute_step, run_layer_step
 from dhelix.strand.lanes import make_lanes
@@ -144,6 +145,40 @@ class LayerHarness:
         med = {k: self._max_across_ranks(statistics.median(v)) for k, v in sorted(got.items())}
         return ({op: v for (s, op), v in med.items() if s == "α"},
                 {op: v for (s, op), v in med.items() if s == "β"})
+
+    def time_comm_host(self, warmup: int, repeats: int):
+        """The thread's own work for every comm op: the thread CPU seconds of issuing it
+        plus those of waiting for it once its data is surely there (on the paced link:
+        the shared-memory copy in and the copy or sum out; the sleep until the modelled
+        end holds no core and is not counted). Median, slowest rank; (forward, backward)
+        dicts. Empty on CUDA: there the host only launches, and the compute stream the
+        simulator's thread stands for does not wait for it."""
+        if self.device.type == "cuda":
+            return {}, {}
+        out = []
+        for chain, state, idx in ((self.program.forward_ops, self.fwd_state, 0),
+                                  (self.program.backward_ops, self.bwd_state, 1)):
+            got = {}
+            for k, op in enumerate(chain):
+                if op.spec.kind != COMM:
+                    continue
+                ts = []
+                for r in range(warmup + repeats):
+                    S = state(k)
+                    self._sync()
+                    c0 = time.thread_time()
+                    execute_step((S, [op]) if idx == 0 else None,
+                                 (S, [op]) if idx == 1 else None, barrier=False)
+                    c1 = time.thread_time()
+                    self._sync()          # every rank has issued: the data is there
+                    c2 = time.thread_time()
+                    S.barrier()
+                    c3 = time.thread_time()
+                    if r >= warmup:
+                        ts.append((c1 - c0) + (c3 - c2))
+                got[op.name] = self._max_across_ranks(statistics.median(ts))
+            out.append(got)
+        return out[0], out[1]
 
     def time_plans(self, plans: Sequence[Plan], warmup: int, repeats: int,
                    progress=None) -> List[float]:

@@ -58,10 +58,13 @@ def profile_layer(harness, m, bf16: bool, warmup: int = 1, repeats: int = 5,
                                             harness.mbs, bf16, harness.ep))
     table.provenance.update({"warmup": warmup, "repeats": repeats, "statistic": "median",
                              "pairs": pairs})
-    bar = tqdm(total=nf + nb + len(todo) + 1, desc="dhelix profile", unit="meas",
+    bar = tqdm(total=nf + nb + len(todo) + 2, desc="dhelix profile", unit="meas",
                disable=not show_progress)
     # compute ops inside whole layer steps: the durations the simulator plays
     table.in_step_f, table.in_step_b = harness.time_in_step(warmup, max(repeats, 3))
+    bar.update(1)
+    # the thread's own work per comm op (issue, copies), which those durations leave out
+    table.host_f, table.host_b = harness.time_comm_host(warmup, max(repeats, 3))
     bar.update(1)
     for i, o in enumerate(ops.forward):
         table.alone_f[o.name] = harness.time_ops(i, None, warmup, repeats)
