@@ -174,3 +174,32 @@ def shm_sums():
     res["all_gather"] = (out != torch.cat([data(r, (32, 64)) for r in range(3)])).sum().item()
     res["shm_groups"] = sum(v is not None for v in active().shm_groups.values())
     return res
+
+
+def shm_waits_out_of_order():
+    """Four all-gathers in flight on a 2-rank group (the slot ring's depth); each rank
+    waits for the fourth first, as DHelix's readers may. Rank 1 then issues a fifth at
+    once while rank 0 is slow to read the first: rank 1 must not reuse the first one's
+    slot before rank 0 has read it. Returns how many elements of each result differ from
+    the gathered inputs."""
+    import time
+    g = dist.new_group([0, 1])
+    me = dist.get_rank()
+
+    def data(r, i):
+        return torch.full((64, 64), float(100 * i + r))
+
+    outs, works = [], []
+    for i in range(4):
+        outs.append(torch.empty(128, 64))
+        works.append(dist.all_gather_into_tensor(outs[i], data(me, i), group=g,
+                                                 async_op=True))
+    works[3].wait()
+    if me == 0:
+        time.sleep(1.0)          # rank 1 issues the fifth meanwhile
+    for w in works[:3]:
+        w.wait()
+    out4 = torch.empty(128, 64)
+    dist.all_gather_into_tensor(out4, data(me, 4), group=g)
+    outs.append(out4)
+    return [int((o != torch.cat([data(0, i), data(1, i)])).sum()) for i, o in enumerate(outs)]

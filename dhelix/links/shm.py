@@ -6,13 +6,18 @@ its collectives through shared memory instead: a copy in at issue, a copy (or su
 `wait()`. Both are memcpy-speed work; the waiting in between polls with sleeps.
 
 Each rank owns one segment per process group: a header (`posted`: the last sequence
-number whose data it wrote, `done`: the last it finished reading everywhere) and K slots.
+number whose data it wrote, `done`: the last up to which it has finished reading every
+collective) and K slots.
 The group's collectives are numbered in issue order, the same on every rank (collective
 semantics already demand that order). Collective s uses slot s % K of every member:
   issue(s): wait until every member is done with s - K (the slot is free), copy the
             input into the own slot, publish `posted = s`;
   wait(s):  wait until every member has posted s, read (gather) or sum (reduce) the
-            members' slots into the output, publish `done = s`.
+            members' slots into the output, publish `done` = the highest d with every
+            collective <= d read. Waits may come out of issue order (a DHelix reader
+            waits for its own comm, not for the ones issued before it), so `done` is a
+            low-water mark, never just the latest read: a peer reuses slot s % K only
+            once every rank has read s.
 A rank with K collectives of its own still open completes the oldest before issuing, so
 no rank can wait for a slot that only its own unfinished read keeps busy. On x86 a store
 is not reordered with an earlier store, nor a load with an earlier load, so publishing a
@@ -102,6 +107,8 @@ class ShmGroup:
         self.peers: Dict[int, _Segment] = {}
         self.seq = -1                    # last issued
         self.open: Dict[int, "ShmWork"] = {}
+        self.read_upto = -1              # every collective <= this one read (`done`)
+        self.read_above: set = set()     # read out of order, above read_upto
 
     def _unlink(self):
         try:
@@ -161,7 +168,11 @@ class ShmWork:
         _poll(lambda: min(int(x.ctr[0]) for x in segs) >= self.s,
               f"every rank's data of collective {self.s}")
         self.finish([x.slot(self.s, self.nbytes) for x in segs])
-        g.own.ctr[1] = max(int(g.own.ctr[1]), self.s)    # done: after the reads
+        g.read_above.add(self.s)
+        while g.read_upto + 1 in g.read_above:
+            g.read_upto += 1
+            g.read_above.discard(g.read_upto)
+        g.own.ctr[1] = g.read_upto                       # done: after the reads
         g.open.pop(self.s, None)
         self.done = True
 
