@@ -15,6 +15,18 @@ CHUNKS = "dhelix-chunks"
 # MoE: the intra-batch peer splits dense layers only; megatron's own fwd∥bwd overlap for
 # MoE (combined 1F1B, --overlap-moe-expert-parallel-comm) needs CUDA streams and events
 EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
+# the methods that must train bit for bit as the bench's first (megatron's) run: same
+# seed, data and arithmetic, only the order of independent work differs (the intra-batch
+# peer and the MLP chunks split GEMMs, so their sums may round differently)
+EXACT = ("dhelix-trivial", "dhelix-plan", "dhelix-halves", "dhelix-fold")
+
+
+def loss_mismatch(method: str, r: dict, base_method: str, base: dict) -> str:
+    """'' if run `r` of `method` trained as the baseline run did (or need not: not in
+    EXACT), else what differs: a DHelix run with other losses is a bug, not a result."""
+    if method not in EXACT or r["losses"] == base["losses"]:
+        return ""
+    return f"{method}'s losses {r['losses']} against {base_method}'s {base['losses']}"
 
 
 def step_time(r: dict) -> float:

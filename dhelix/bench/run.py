@@ -272,6 +272,7 @@ def run_bench(a: BenchOptions) -> int:
         methods = methods + (CHUNKS,)
     per = len(methods) * a.rounds + profile + chunked
     planned = None
+    wrong: List[str] = []          # DHelix runs that did not train as the baseline did
     bar = tqdm(total=len(configs) * len(links) * per, desc="dhelix bench", unit="run")
     try:
         for lk in links:
@@ -338,6 +339,10 @@ def run_bench(a: BenchOptions) -> int:
                                     f"--nproc {a.nproc}")
                             with open(out) as f:
                                 r = json.load(f)
+                            bad = report.loss_mismatch(method, r, methods[0],
+                                                       res[methods[0]]) if res else ""
+                            if bad:
+                                wrong.append(f"{cfg} {link} round {rnd + 1}: {bad} ({out})")
                             if method in res:     # later rounds: pool the timed steps
                                 r["step_times_s"] = res[method]["step_times_s"] + \
                                     r["step_times_s"][1:]
@@ -378,6 +383,11 @@ def run_bench(a: BenchOptions) -> int:
     else:
         report.plot(rows, a.out + ".png", methods)
     print(f"dhelix bench: wrote {a.out}.md, {a.out}.json, {a.out}.png (runs under {work})")
+    if wrong:
+        print("dhelix bench: error: these DHelix runs did not train bit for bit as the "
+              "baseline on the same seed and data, so their times do not count:\n  " +
+              "\n  ".join(wrong), file=sys.stderr)
+        return 1
     return 0
 
 
