@@ -138,19 +138,29 @@ class ShmGroup:
     def fits(nbytes: int) -> bool:
         return nbytes <= SLOT_BYTES
 
-    def issue(self, data: torch.Tensor, finish) -> "ShmWork":
-        """Post `data` (contiguous) as the next collective; `finish(slots)` runs at wait."""
+    def issue(self, data, finish) -> "ShmWork":
+        """Post `data` (a contiguous tensor, or a list of them, one after the other) as
+        the next collective; `finish(slots)` runs at wait."""
         s = self.seq + 1
         for old in sorted(k for k in self.open if k <= s - SLOTS):
             self.open[old].wait_data()          # our own oldest read frees the slot
         segs = [self.seg(j) for j in range(self.n)]
         _poll(lambda: min(int(g.ctr[1]) for g in segs) >= s - SLOTS,
               f"slot {s % SLOTS} free for collective {s}")
-        flat = data.reshape(-1).view(torch.uint8)
-        self.own.slot(s, flat.numel()).copy_(flat)
+        flats = [t.reshape(-1).view(torch.uint8) for t in
+                 (data if isinstance(data, (list, tuple)) else (data,))]
+        nbytes = sum(f.numel() for f in flats)
+        dst = self.own.slot(s, nbytes)
+        if len(flats) == 1:
+            dst.copy_(flats[0])
+        else:
+            at = 0
+            for f in flats:
+                dst[at:at + f.numel()].copy_(f)
+                at += f.numel()
         self.own.ctr[0] = s                      # posted: after the data
         self.seq = s
-        w = ShmWork(self, s, flat.numel(), finish)
+        w = ShmWork(self, s, nbytes, finish)
         self.open[s] = w
         return w
 
@@ -219,11 +229,19 @@ def all_gather(group: ShmGroup, out: torch.Tensor, inp: torch.Tensor) -> ShmWork
 
 
 def reduce_scatter(group: ShmGroup, out: torch.Tensor, inp: torch.Tensor) -> ShmWork:
-    inp = inp.contiguous()
+    """Each rank posts only the chunks its peers sum (its own stays in `inp`, which the
+    caller keeps unchanged until the wait, as NCCL requires): a (n−1)/n copy in."""
+    n, me = group.n, group.i
+    chunks = inp.contiguous().view(n, -1)
+    posted = [c for c in (chunks[:me], chunks[me + 1:]) if c.numel()]
 
     def finish(slots):
-        _sum_into(out, [sl.view(inp.dtype).view(group.n, -1)[group.i] for sl in slots])
-    return group.issue(inp, finish)
+        # from rank r's slot the chunk for `me`: its chunks skip r's own
+        parts = [chunks[me] if r == me else
+                 sl.view(chunks.dtype).view(n - 1, -1)[me if me < r else me - 1]
+                 for r, sl in enumerate(slots)]
+        _sum_into(out, parts)
+    return group.issue(posted, finish)
 
 
 def all_reduce(group: ShmGroup, tensor: torch.Tensor) -> ShmWork:
