@@ -83,9 +83,9 @@ def test_executor_order_is_replayed():
     assert ev["bb"][3:] == (2.0, 3.0) and ev["fb"][3:] == (3.0, 4.0) and r.makespan == 4.0
 
 
-def test_comm_overlaps_the_compute_of_its_own_strand():
-    """A comm op runs beside the next ops of its own strand that do not read it (a wgrad
-    beside the grad reduce-scatter), and the op that reads it waits for it."""
+def _dgrad_rs_wgrad():
+    """β: dgrad, its reduce-scatter (3 s), the wgrad beside it, an op reading it; then α's
+    one op alone: (layer, table, plan)."""
     B = [OpSpec("dgrad", COMPUTE, "compute"), OpSpec("rs", COMM, "intra", group="tp"),
          OpSpec("wgrad", COMPUTE, "compute", wgrad=True, after="dgrad"),
          OpSpec("ln_b", COMPUTE, "compute")]
@@ -97,6 +97,13 @@ def test_comm_overlaps_the_compute_of_its_own_strand():
         t.pair[("f", b.name)] = max(1.0, t.alone_b[b.name])
     plan = Plan(layer.signature(), ["f"], [b.name for b in B],
                 [Step([], [b.name for b in B]), Step(["f"], [])])
+    return layer, t, plan
+
+
+def test_comm_overlaps_the_compute_of_its_own_strand():
+    """A comm op runs beside the next ops of its own strand that do not read it (a wgrad
+    beside the grad reduce-scatter), and the op that reads it waits for it."""
+    layer, t, plan = _dgrad_rs_wgrad()
     r = simulate(layer, plan, t)
     ev = {e[1]: e for e in r.events}
     assert ev["rs"][3:] == (1.0, 4.0) and ev["wgrad"][3:] == (1.0, 2.0)
@@ -301,17 +308,7 @@ def test_a_comm_holds_the_thread_for_its_host_time():
     """The table's host time of a comm op (issuing it, the paced link's copies) is the
     thread's: the ops after it start that much later; the comm itself starts at issue,
     and its reader still waits for its end."""
-    B = [OpSpec("dgrad", COMPUTE, "compute"), OpSpec("rs", COMM, "intra", group="tp"),
-         OpSpec("wgrad", COMPUTE, "compute", wgrad=True, after="dgrad"),
-         OpSpec("ln_b", COMPUTE, "compute")]
-    layer = LayerOps([OpSpec("f", COMPUTE, "compute")], B)
-    t = CostTable.empty(layer)
-    t.alone_f["f"] = 1.0
-    t.alone_b.update(dgrad=1.0, rs=3.0, wgrad=1.0, ln_b=1.0)
-    for b in B:
-        t.pair[("f", b.name)] = max(1.0, t.alone_b[b.name])
-    plan = Plan(layer.signature(), ["f"], [b.name for b in B],
-                [Step([], [b.name for b in B]), Step(["f"], [])])
+    layer, t, plan = _dgrad_rs_wgrad()
     for host, wgrad, ln_b in ((0.5, (1.5, 2.5), (4.0, 5.0)),     # hidden under the comm
                               (3.5, (4.5, 5.5), (5.5, 6.5))):    # longer than the comm
         t.host_b = {"rs": host}
