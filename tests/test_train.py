@@ -104,6 +104,23 @@ def test_deadlock_times_out():
         run_ranks(_deadlock, 2, timeout=15, env={"DHELIX_PG_TIMEOUT": "300"})
 
 
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_at_the_call(start, monkeypatch):
+    # the fork server's own environment is frozen at its start; a variable set later by
+    # the caller must still reach the ranks (tests set DHELIX_LANES this way)
+    monkeypatch.setenv("DHELIX_RANK_START", start)
+    run_ranks(_env_value, 1, "DHELIX_PROBE", timeout=60)   # the server starts here
+    monkeypatch.setenv("DHELIX_PROBE", "after-start")
+    assert run_ranks(_env_value, 2, "DHELIX_PROBE", timeout=60) == ["after-start"] * 2
+    monkeypatch.delenv("DHELIX_PROBE")
+    assert run_ranks(_env_value, 2, "DHELIX_PROBE", timeout=60) == [None, None]
+
+
+def _env_value(name):
+    import os
+    return os.environ.get(name)
+
+
 def _fail_on_rank1():
     import torch.distributed as dist
     if dist.get_rank() == 1:
