@@ -31,11 +31,10 @@ class RankTimeout(RankError):
     pass
 
 
-def _rank_main(fn, args, kwargs, rank, world, port, env, q, caller_env=None):
+def _rank_main(fn, args, kwargs, rank, world, port, env, q, caller_env):
     try:
-        if caller_env is not None:   # a fork server's environment dates from its start
-            os.environ.clear()
-            os.environ.update(caller_env)
+        os.environ.clear()           # a fork server's environment dates from its start
+        os.environ.update(caller_env)
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world),
                            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -80,11 +79,11 @@ def _start_context():
     """The fork server (preloaded imports) where there is one, else spawn."""
     if (os.environ.get("DHELIX_RANK_START", "forkserver") == "spawn"
             or "forkserver" not in mp.get_all_start_methods()):
-        return mp.get_context("spawn"), None
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # takes effect when the server starts (the first call); later calls reuse it
     ctx.set_forkserver_preload(["dhelix.base.preload"])
-    return ctx, dict(os.environ)
+    return ctx
 
 
 def run_ranks(fn: Callable, nranks: int, *args, timeout: float = 120.0,
@@ -92,7 +91,8 @@ def run_ranks(fn: Callable, nranks: int, *args, timeout: float = 120.0,
     """Run `fn(*args, **kwargs)` on `nranks` gloo ranks; results by rank."""
     from dhelix.train.dist import free_port
 
-    ctx, caller_env = _start_context()
+    ctx = _start_context()
+    caller_env = dict(os.environ)
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main,

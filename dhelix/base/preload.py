@@ -1,7 +1,8 @@
 """Imported once by the fork server that starts local ranks (`dhelix.testing.run_ranks`):
 the slow imports every rank needs, done before the fork so that each rank skips them.
-Only third-party modules: DHelix's own read the environment when imported, and a rank's
-environment is set after the fork."""
+Third-party modules only, and DHelix's warning filter (which reads nothing): DHelix's
+other modules read the environment when imported, and a rank's environment is set after
+the fork."""
 from dhelix.base.warnings import quiet_library_warnings
 
 quiet_library_warnings()
