@@ -5,8 +5,15 @@ every step (which goes first alternates too). Prints each pair and the median of
 per-pair ratios (megatron ms / DHelix ms: above 1 DHelix is faster). Forward-backward
 only: the optimizer step is megatron's in both.
 
+With `--table TABLE` DHelix runs the plan made from a profiled table (as the bench's
+planned run); `--clock both` runs each model with the paced link's fine waits and with
+plain sleeps (`dhelix/links/clock.py`). On a paced link each rank also prints, per model,
+the seconds a step waited for the modelled end, for a free slot and for a late peer.
+
     torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1000gbit --pairs 8
     torchrun --nproc-per-node 1 scripts/own_cost_inproc.py --link none
+    torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1gbit \
+        --table table.json --clock both --pairs 10
 """
 from __future__ import annotations
 
@@ -23,6 +30,11 @@ def main():
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--config", default="small16")
     p.add_argument("--plan", default="trivial")
+    p.add_argument("--table", default=None,
+                   help="plan from this overlap table instead of --plan (as the bench does)")
+    p.add_argument("--clock", choices=("fine", "coarse", "both"), default="fine",
+                   help="the paced link's waits: fine (links/clock.py), coarse (plain "
+                        "sleeps), or both, each pair running every model both ways")
     a = p.parse_args()
     os.environ["DHELIX_LINK"] = a.link          # read when the rank joins the group
     import torch
@@ -42,9 +54,10 @@ def main():
             "--data", "synthetic", "--link", a.link] + \
         (["--sequence-parallel"] if world > 1 else [])
     parser = build_parser()
+    planned = ["--dhelix"] + (["--dhelix-overlap-table", a.table] if a.table
+                              else ["--dhelix-plan", a.plan])
     cfgs = {"megatron": train_config_from_args(parser.parse_args(argv)),
-            "dhelix": train_config_from_args(parser.parse_args(
-                argv + ["--dhelix", "--dhelix-plan", a.plan]))}
+            "dhelix": train_config_from_args(parser.parse_args(argv + planned))}
     cfg = cfgs["megatron"]
     m = model_of(cfg)
     info = init_distributed()
@@ -62,30 +75,58 @@ def main():
         cfg.data, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
         num_microbatches=layout.num_microbatches, vocab_size=m.vocab_size, seed=cfg.seed,
         dp_rank=0, dp_size=1, data_path=None, start_step=0), info.device, 1)
-    times = {name: [] for name in runs}
+    from dhelix.links import clock
+    clocks = ["fine", "coarse"] if a.clock == "both" else [a.clock]
+    variants = [(name, ck) for ck in clocks for name in runs]
+    times = {v: [] for v in variants}
+    # the paced link's waits per variant (seconds over the counted pairs): past the data's
+    # arrival for the modelled end, for a free slot, for a peer's late data
+    from dhelix.links.paced import active
+    from dhelix.links.shm import PEER_WAIT
+    link = active()
+
+    def waits():
+        return (0.0, 0.0, 0.0) if link is None else \
+            (link.waited_s, PEER_WAIT["slot_s"], link.late_s)
+    waited = {v: [0.0, 0.0, 0.0] for v in variants}
     for i in range(a.pairs + 1):         # the first pair warms up, not counted
-        for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+        for v in (variants if i % 2 == 0 else variants[::-1]):
+            name, ck = v
+            clock.FINE = ck == "fine"
             schedule, chunks = runs[name]
             for c in chunks:
                 c.zero_grad_buffer()
             torch.distributed.barrier()
+            w0 = waits()
             t0 = time.perf_counter()
             with METER.autograd():
                 schedule.forward_backward(
                     forward_step_func=forward_step, data_iterator=data, model=chunks[0],
                     num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
                     micro_batch_size=cfg.micro_batch_size, forward_only=False)
-            times[name].append(time.perf_counter() - t0)
+            times[v].append(time.perf_counter() - t0)
+            if i:
+                waited[v] = [x + y - z for x, y, z in zip(waited[v], waits(), w0)]
         if info.rank == 0:
-            mg, dh = times["megatron"][-1], times["dhelix"][-1]
-            print(f"pair {i}{' (warm-up)' if i == 0 else ''}: megatron {mg * 1e3:7.0f} ms  "
-                  f"DHelix {dh * 1e3:7.0f} ms  {mg / dh:.3f}x", flush=True)
+            for ck in clocks:
+                mg, dh = times[("megatron", ck)][-1], times[("dhelix", ck)][-1]
+                print(f"pair {i}{' (warm-up)' if i == 0 else ''} {ck}: megatron "
+                      f"{mg * 1e3:7.0f} ms  DHelix {dh * 1e3:7.0f} ms  {mg / dh:.3f}x",
+                      flush=True)
     if info.rank == 0:
-        ratios = [x / y for x, y in zip(times["megatron"][1:], times["dhelix"][1:])]
-        print(f"{a.link}: median of {a.pairs} pairs {statistics.median(ratios):.3f}x "
-              f"(range {min(ratios):.3f}-{max(ratios):.3f}); median step megatron "
-              f"{statistics.median(times['megatron'][1:]) * 1e3:.0f} ms, DHelix "
-              f"{statistics.median(times['dhelix'][1:]) * 1e3:.0f} ms", flush=True)
+        for ck in clocks:
+            mg, dh = times[("megatron", ck)][1:], times[("dhelix", ck)][1:]
+            ratios = [x / y for x, y in zip(mg, dh)]
+            print(f"{a.link} {ck}: median of {a.pairs} pairs {statistics.median(ratios):.3f}x "
+                  f"(range {min(ratios):.3f}-{max(ratios):.3f}); median step megatron "
+                  f"{statistics.median(mg) * 1e3:.0f} ms, DHelix "
+                  f"{statistics.median(dh) * 1e3:.0f} ms", flush=True)
+    if link is not None:
+        for v in variants:       # every rank: a late peer shows on the other rank
+            print(f"rank {info.rank} {v[0]} {v[1]}: per step, waited for the modelled end "
+                  f"{waited[v][0] / a.pairs * 1e3:.0f} ms, for a free slot "
+                  f"{waited[v][1] / a.pairs * 1e3:.0f} ms, for a late peer "
+                  f"{waited[v][2] / a.pairs * 1e3:.0f} ms", flush=True)
 
 
 if __name__ == "__main__":

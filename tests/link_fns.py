@@ -203,3 +203,32 @@ def shm_waits_out_of_order():
     dist.all_gather_into_tensor(out4, data(me, 4), group=g)
     outs.append(out4)
     return [int((o != torch.cat([data(0, i), data(1, i)])).sum()) for i, o in enumerate(outs)]
+
+
+def late_peer():
+    """The paced link's account of waits the model does not price, on paced:1000gbit
+    (transfers of ~µs): rank 1 sleeps 0.3 s before its part of an all-gather, so rank 0
+    waits for late data; then rank 0 issues five all-gathers back to back (one more
+    than the slot ring holds) while rank 1 sleeps 0.3 s before its own, so rank 0's
+    fifth waits for a free slot. Returns this rank's (late, slot) seconds for each part."""
+    from dhelix.links.paced import active
+    from dhelix.links.shm import PEER_WAIT
+    link = active()
+    g = dist.new_group([0, 1])
+    me = dist.get_rank()
+    x, out = torch.ones(1024), torch.empty(2048)
+    dist.all_gather_into_tensor(out, x, group=g)        # the segments attached
+    dist.barrier()
+    l0, s0 = link.late_s, PEER_WAIT["slot_s"]
+    if me == 1:
+        time.sleep(0.3)
+    dist.all_gather_into_tensor(out, x, group=g)
+    l1, s1 = link.late_s, PEER_WAIT["slot_s"]
+    dist.barrier()
+    if me == 1:
+        time.sleep(0.3)
+    outs = [torch.empty(2048) for _ in range(5)]
+    works = [dist.all_gather_into_tensor(o, x, group=g, async_op=True) for o in outs]
+    for w in works:
+        w.wait()
+    return {"late": (l1 - l0, link.late_s - l1), "slot": (s1 - s0, PEER_WAIT["slot_s"] - s1)}

@@ -196,6 +196,7 @@ def test_training_over_the_paced_link_is_unchanged(tmp_path):
             assert link["collectives"] > 0, (rank, name, link)
             assert link["modelled_s"] > 0, (rank, name, link)
             assert link["waited_s"] > 0, (rank, name, link)     # the link slowed the run
+            assert link["peer_late_s"] >= 0 and link["peer_slot_s"] >= 0, (rank, name, link)
         same_numbers(b["losses"], p["losses"], tol=0.0, what=f"rank {rank} megatron losses")
         same_numbers(d["losses"], p["losses"], tol=0.0, what=f"rank {rank} dhelix losses")
     # the trace carries the link's transfers on their own track, and where the time went
@@ -277,3 +278,35 @@ def test_shm_attach_waits_for_a_segment_being_sized():
         t.join()
         os.remove(path)                              # (unregistered when attached)
         g._unlink()
+
+
+def test_waits_for_a_late_peer_are_counted():
+    """The paced link counts what its model does not price (the trainer reports it as
+    `link.peer_late_s` and `link.peer_slot_s`): a wait for a peer that posted 0.3 s late
+    counts >= 0.25 s of lateness on the rank that waited and < 0.25 s on the late one; a
+    fifth all-gather issued while the peer has read none of the four before it waits
+    >= 0.25 s for a free slot on that rank only."""
+    res = run_ranks(link_fns.late_peer, 2, env={"DHELIX_LINK": "paced:1000gbit"},
+                    timeout=120)
+    assert res[0]["late"][0] >= 0.25 and res[1]["late"][0] < 0.25, res
+    assert res[0]["slot"][1] >= 0.25 and res[1]["slot"][1] < 0.25, res
+    assert res[0]["slot"][0] < 0.25 and res[0]["late"][1] < 0.25, res
+
+
+def test_sleep_until_never_returns_early():
+    """The link's waits end at, never before, the modelled end, fine or coarse; a poll
+    whose condition never holds calls its timeout."""
+    import time
+    from dhelix.links import clock
+    try:
+        for fine in (True, False):
+            clock.FINE = fine
+            for d in (0.0, 20e-6, 200e-6, 3e-3):
+                t = time.perf_counter() + d
+                clock.sleep_until(t)
+                assert time.perf_counter() >= t, (fine, d)
+        with pytest.raises(TimeoutError):
+            clock.poll(lambda: False, time.monotonic() + 0.05,
+                       lambda: (_ for _ in ()).throw(TimeoutError()))
+    finally:
+        clock.FINE = True

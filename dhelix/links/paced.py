@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from dhelix.links import Link
+from dhelix.links import Link, clock
 from dhelix.planner.costmodel import collective_seconds
 
 _PG = torch._C._distributed_c10d.ProcessGroup
@@ -77,14 +77,19 @@ class PacedWork(dist.Work):
 
     def wait(self, timeout=None):
         if self.inner is not None:
+            called = time.perf_counter()
             if timeout is None:
                 self.inner.wait()
             else:
                 self.inner.wait(timeout)
+            # the peers' data came after the modelled end: a peer rank posted late
+            late = time.perf_counter() - max(called, self.done_at)
+            if late > 0:
+                self.link.late_s += late
         left = self.done_at - time.perf_counter()
         if left > 0:
             self.link.waited_s += left
-            time.sleep(left)          # releases the GIL, holds no core
+            clock.sleep_until(self.done_at)
         return True
 
     def is_completed(self):
@@ -142,6 +147,7 @@ class PacedLink:
         self.lock = threading.Lock()              # DDP hooks may run on autograd's thread
         self.modelled_s = 0.0                     # statistics for tests and reports
         self.waited_s = 0.0
+        self.late_s = 0.0          # waits that outlasted the modelled end (a peer was late)
         self.count = 0
         # this rank's transfers in flight, as modelled: (start, done) in schedule order,
         # and the running maximum of done (non-decreasing: the first entry a query from

@@ -34,6 +34,8 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
+from dhelix.links import clock
+
 HEADER = 64                       # bytes: int64 posted, int64 done, int64 ready, padding
 READY = 0x6468656c6978            # "dhelix": the owner has initialised the counters
 SLOTS = 4
@@ -45,16 +47,22 @@ class ShmTimeout(RuntimeError):
     pass
 
 
+# seconds this process waited at issue for a free slot (its own oldest read, which
+# needs a peer's data, or a peer's read of an older collective): time the link model
+# does not price (statistics for the trainer's report; the wait for a peer's data at a
+# wait is timed by the paced link, which knows the modelled end)
+PEER_WAIT = {"slot_s": 0.0}
+
+
 def _poll(cond, what: str) -> None:
-    """Wait for `cond()` without holding a core (short sleeps), or fail after TIMEOUT_S."""
+    """Wait for `cond()` without holding a core (`clock.poll`), or fail after TIMEOUT_S."""
     if cond():
         return
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > TIMEOUT_S:
-            raise ShmTimeout(f"paced link: {what} not within {TIMEOUT_S:.0f}s (a peer rank "
-                             f"died or issues collectives in another order)")
-        time.sleep(20e-6)
+
+    def timeout():
+        raise ShmTimeout(f"paced link: {what} not within {TIMEOUT_S:.0f}s (a peer rank "
+                         f"died or issues collectives in another order)")
+    clock.poll(cond, time.monotonic() + TIMEOUT_S, timeout)
 
 
 class _Segment:
@@ -142,11 +150,13 @@ class ShmGroup:
         """Post `data` (a contiguous tensor, or a list of them, one after the other) as
         the next collective; `finish(slots)` runs at wait."""
         s = self.seq + 1
+        t0 = time.perf_counter()
         for old in sorted(k for k in self.open if k <= s - SLOTS):
             self.open[old].wait_data()          # our own oldest read frees the slot
         segs = [self.seg(j) for j in range(self.n)]
         _poll(lambda: min(int(g.ctr[1]) for g in segs) >= s - SLOTS,
               f"slot {s % SLOTS} free for collective {s}")
+        PEER_WAIT["slot_s"] += time.perf_counter() - t0
         flats = [t.reshape(-1).view(torch.uint8) for t in
                  (data if isinstance(data, (list, tuple)) else (data,))]
         nbytes = sum(f.numel() for f in flats)

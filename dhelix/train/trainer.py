@@ -367,14 +367,19 @@ def progress_clock(elapsed: float, times: List[float], total: int) -> str:
 def _link_stats() -> Optional[dict]:
     """What the paced link did in this process (None without one): collectives it paced,
     their modelled seconds, the seconds their waits slept past the data's arrival, and
-    with `slow=` the GEMMs stretched and the seconds charged for them."""
+    with `slow=` the GEMMs stretched and the seconds charged for them; and the seconds
+    it waited for a peer rank, which the link model does not price: for a free
+    shared-memory slot at issue (`peer_slot_s`), for data a peer posted after the modelled
+    end (`peer_late_s`)."""
     from dhelix.links.paced import active
+    from dhelix.links.shm import PEER_WAIT
     link = active()
     if link is None:
         return None
     return {"collectives": link.count, "modelled_s": link.modelled_s,
             "waited_s": link.waited_s, "stretched_ops": link.stretched_ops,
-            "stretched_s": link.stretched_s}
+            "stretched_s": link.stretched_s, "peer_slot_s": PEER_WAIT["slot_s"],
+            "peer_late_s": link.late_s}
 
 
 def _per_stage(value, device, dtype=torch.int64) -> list:
