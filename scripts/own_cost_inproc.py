@@ -6,14 +6,15 @@ per-pair ratios (megatron ms / DHelix ms: above 1 DHelix is faster). Forward-bac
 only: the optimizer step is megatron's in both.
 
 With `--table TABLE` DHelix runs the plan made from a profiled table (as the bench's
-planned run); `--clock both` runs each model with the paced link's fine waits and with
-plain sleeps (`dhelix/links/clock.py`). On a paced link each rank also prints, per model,
+planned run); `--ab clock` runs each model with the paced link's fine waits and with
+plain sleeps (`dhelix/links/clock.py`), `--ab eager` with its shared-memory reads as soon
+as a collective is posted and at its wait only. On a paced link each rank also prints, per model,
 the seconds a step waited for the modelled end, for a free slot and for a late peer.
 
     torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1000gbit --pairs 8
     torchrun --nproc-per-node 1 scripts/own_cost_inproc.py --link none
     torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1gbit \
-        --table table.json --clock both --pairs 10
+        --table table.json --ab clock --pairs 10
 """
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ import argparse
 import os
 import statistics
 import time
+
+
+# --ab: a paced-link setting -> (module, attribute) switched per run
+AB = {"clock": ("dhelix.links.clock", "FINE"), "eager": ("dhelix.links.shm", "EAGER")}
 
 
 def main():
@@ -32,9 +37,11 @@ def main():
     p.add_argument("--plan", default="trivial")
     p.add_argument("--table", default=None,
                    help="plan from this overlap table instead of --plan (as the bench does)")
-    p.add_argument("--clock", choices=("fine", "coarse", "both"), default="fine",
-                   help="the paced link's waits: fine (links/clock.py), coarse (plain "
-                        "sleeps), or both, each pair running every model both ways")
+    p.add_argument("--ab", choices=AB, default=None,
+                   help="run each model also with this paced-link setting off: clock "
+                        "(links/clock.py's fine waits; off: plain sleeps), eager "
+                        "(links/shm.py reads a collective as soon as it is posted; off: "
+                        "at its wait)")
     a = p.parse_args()
     os.environ["DHELIX_LINK"] = a.link          # read when the rank joins the group
     import torch
@@ -75,9 +82,10 @@ def main():
         cfg.data, seq_length=cfg.seq_length, micro_batch_size=cfg.micro_batch_size,
         num_microbatches=layout.num_microbatches, vocab_size=m.vocab_size, seed=cfg.seed,
         dp_rank=0, dp_size=1, data_path=None, start_step=0), info.device, 1)
-    from dhelix.links import clock
-    clocks = ["fine", "coarse"] if a.clock == "both" else [a.clock]
-    variants = [(name, ck) for ck in clocks for name in runs]
+    import importlib
+    switch = (importlib.import_module(AB[a.ab][0]), AB[a.ab][1]) if a.ab else None
+    settings = [f"{a.ab} on", f"{a.ab} off"] if a.ab else ["as is"]
+    variants = [(name, ck) for ck in settings for name in runs]
     times = {v: [] for v in variants}
     # the paced link's waits per variant (seconds over the counted pairs): past the data's
     # arrival for the modelled end, for a free slot, for a peer's late data
@@ -92,7 +100,8 @@ def main():
     for i in range(a.pairs + 1):         # the first pair warms up, not counted
         for v in (variants if i % 2 == 0 else variants[::-1]):
             name, ck = v
-            clock.FINE = ck == "fine"
+            if switch:
+                setattr(*switch, ck.endswith(" on"))
             schedule, chunks = runs[name]
             for c in chunks:
                 c.zero_grad_buffer()
@@ -108,13 +117,13 @@ def main():
             if i:
                 waited[v] = [x + y - z for x, y, z in zip(waited[v], waits(), w0)]
         if info.rank == 0:
-            for ck in clocks:
+            for ck in settings:
                 mg, dh = times[("megatron", ck)][-1], times[("dhelix", ck)][-1]
                 print(f"pair {i}{' (warm-up)' if i == 0 else ''} {ck}: megatron "
                       f"{mg * 1e3:7.0f} ms  DHelix {dh * 1e3:7.0f} ms  {mg / dh:.3f}x",
                       flush=True)
     if info.rank == 0:
-        for ck in clocks:
+        for ck in settings:
             mg, dh = times[("megatron", ck)][1:], times[("dhelix", ck)][1:]
             ratios = [x / y for x, y in zip(mg, dh)]
             print(f"{a.link} {ck}: median of {a.pairs} pairs {statistics.median(ratios):.3f}x "

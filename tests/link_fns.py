@@ -232,3 +232,39 @@ def late_peer():
     for w in works:
         w.wait()
     return {"late": (l1 - l0, link.late_s - l1), "slot": (s1 - s0, PEER_WAIT["slot_s"] - s1)}
+
+
+def reads_posted_collectives(eager):
+    """Rank 1 keeps a posted all-gather unread (its reader is 0.5 s away) while it issues
+    three more; rank 0 then issues a fifth, which needs the first one's slot. With
+    `shm.EAGER` rank 1 read the first at its next issue, so rank 0's issue need not wait;
+    without, rank 0 waits until rank 1 reads it. Returns this rank's seconds waited at
+    issue and how many elements of each result differ from the gathered inputs."""
+    from dhelix.links import shm
+    shm.EAGER = eager
+    g = dist.new_group([0, 1])
+    me = dist.get_rank()
+
+    def data(r, i):
+        return torch.full((64, 64), float(100 * i + r))
+    outs = [torch.empty(128, 64) for _ in range(5)]
+    dist.all_gather_into_tensor(outs[0], data(me, 0), group=g)     # segments attached
+    outs[0] = torch.empty(128, 64)
+    works = [dist.all_gather_into_tensor(outs[0], data(me, 0), group=g, async_op=True)]
+    dist.barrier()                                 # every rank has posted the first
+    works += [dist.all_gather_into_tensor(outs[i], data(me, i), group=g, async_op=True)
+              for i in (1, 2, 3)]
+    dist.barrier()
+    s0 = shm.PEER_WAIT["slot_s"]
+    if me == 1:
+        time.sleep(0.5)
+        for w in works:
+            w.wait()
+    works.append(dist.all_gather_into_tensor(outs[4], data(me, 4), group=g, async_op=True))
+    waited = shm.PEER_WAIT["slot_s"] - s0
+    for w in works:
+        w.wait()
+    shm.EAGER = True
+    return {"slot_s": waited,
+            "wrong": [int((o != torch.cat([data(0, i), data(1, i)])).sum())
+                      for i, o in enumerate(outs)]}

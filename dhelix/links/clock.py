@@ -26,7 +26,7 @@ SPIN_S = 80e-6
 POLL_SPIN_S = 200e-6
 _PR_SET_TIMERSLACK = 29
 # False: plain sleeps with the default slack, as before these waits (for measuring what
-# they buy: scripts/own_cost_inproc.py --clock both)
+# they buy: scripts/own_cost_inproc.py --ab clock)
 FINE = True
 _slack = {}          # thread -> the timer slack set on it
 

@@ -19,7 +19,10 @@ semantics already demand that order). Collective s uses slot s % K of every memb
             low-water mark, never just the latest read: a peer reuses slot s % K only
             once every rank has read s.
 A rank with K collectives of its own still open completes the oldest before issuing, so
-no rank can wait for a slot that only its own unfinished read keeps busy. On x86 a store
+no rank can wait for a slot that only its own unfinished read keeps busy. And at each
+issue a rank first reads every open collective all members have posted (`EAGER`), so a
+peer's issue K collectives later does not wait for this rank's reader to run: an
+output written before its wait is legal, as NCCL writes it whenever the transfer ends. On x86 a store
 is not reordered with an earlier store, nor a load with an earlier load, so publishing a
 counter after the data copy is enough.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import time
 from multiprocessing import shared_memory
 from typing import Dict, List, Optional
@@ -39,6 +43,9 @@ from dhelix.links import clock
 HEADER = 64                       # bytes: int64 posted, int64 done, int64 ready, padding
 READY = 0x6468656c6978            # "dhelix": the owner has initialised the counters
 SLOTS = 4
+# read a collective as soon as every member has posted it (at this rank's next issue),
+# not only at its wait: False reads at the wait alone (for measuring what it buys)
+EAGER = True
 SLOT_BYTES = int(float(os.environ.get("DHELIX_SHM_SLOT_MB", "4")) * 2**20)
 TIMEOUT_S = float(os.environ.get("DHELIX_SHM_TIMEOUT_S", "300"))
 
@@ -117,6 +124,9 @@ class ShmGroup:
         self.open: Dict[int, "ShmWork"] = {}
         self.read_upto = -1              # every collective <= this one read (`done`)
         self.read_above: set = set()     # read out of order, above read_upto
+        # a collective may be read by its own wait or early, by another thread's issue
+        # (strict lanes issue on their lane's thread): reads and `open` under this lock
+        self.lock = threading.Lock()
 
     def _unlink(self):
         try:
@@ -150,13 +160,20 @@ class ShmGroup:
         """Post `data` (a contiguous tensor, or a list of them, one after the other) as
         the next collective; `finish(slots)` runs at wait."""
         s = self.seq + 1
-        t0 = time.perf_counter()
-        for old in sorted(k for k in self.open if k <= s - SLOTS):
-            self.open[old].wait_data()          # our own oldest read frees the slot
+        if EAGER:
+            self.read_ready()
+        with self.lock:
+            oldest = [self.open[k] for k in sorted(self.open) if k <= s - SLOTS]
         segs = [self.seg(j) for j in range(self.n)]
-        _poll(lambda: min(int(g.ctr[1]) for g in segs) >= s - SLOTS,
-              f"slot {s % SLOTS} free for collective {s}")
-        PEER_WAIT["slot_s"] += time.perf_counter() - t0
+
+        def free():
+            return min(int(g.ctr[1]) for g in segs) >= s - SLOTS
+        if oldest or not free():
+            t0 = time.perf_counter()
+            for w in oldest:
+                w.wait_data()                    # our own oldest read frees the slot
+            _poll(free, f"slot {s % SLOTS} free for collective {s}")
+            PEER_WAIT["slot_s"] += time.perf_counter() - t0
         flats = [t.reshape(-1).view(torch.uint8) for t in
                  (data if isinstance(data, (list, tuple)) else (data,))]
         nbytes = sum(f.numel() for f in flats)
@@ -171,8 +188,23 @@ class ShmGroup:
         self.own.ctr[0] = s                      # posted: after the data
         self.seq = s
         w = ShmWork(self, s, nbytes, finish)
-        self.open[s] = w
+        with self.lock:
+            self.open[s] = w
         return w
+
+    def read_ready(self) -> None:
+        """Read every open collective whose data all members have posted, without
+        waiting, so that the peers may reuse its slots (a peer's issue otherwise waits
+        until this rank's reader runs, or this rank's own issue K collectives later).
+        Legal by NCCL's rules: a collective's output is undefined until its wait, and
+        NCCL writes it whenever the transfer ends."""
+        if not self.open:
+            return
+        posted = min(int(self.seg(j).ctr[0]) for j in range(self.n))
+        with self.lock:
+            ready = [self.open[k] for k in sorted(self.open) if k <= posted]
+        for w in ready:
+            w.read()
 
 
 class ShmWork:
@@ -187,14 +219,23 @@ class ShmWork:
         segs = [g.seg(j) for j in range(g.n)]
         _poll(lambda: min(int(x.ctr[0]) for x in segs) >= self.s,
               f"every rank's data of collective {self.s}")
-        self.finish([x.slot(self.s, self.nbytes) for x in segs])
-        g.read_above.add(self.s)
-        while g.read_upto + 1 in g.read_above:
-            g.read_upto += 1
-            g.read_above.discard(g.read_upto)
-        g.own.ctr[1] = g.read_upto                       # done: after the reads
-        g.open.pop(self.s, None)
-        self.done = True
+        self.read()
+
+    def read(self) -> None:
+        """Gather or sum the members' posted data into the output (once); publish
+        `done`."""
+        g = self.group
+        with g.lock:
+            if self.done:
+                return
+            self.finish([g.seg(j).slot(self.s, self.nbytes) for j in range(g.n)])
+            g.read_above.add(self.s)
+            while g.read_upto + 1 in g.read_above:
+                g.read_upto += 1
+                g.read_above.discard(g.read_upto)
+            g.own.ctr[1] = g.read_upto                   # done: after the reads
+            g.open.pop(self.s, None)
+            self.done = True
 
     # the Work interface PacedWork delegates to
     def wait(self, timeout=None):
