@@ -210,3 +210,29 @@ def test_bad_cluster(tmp_path):
     p.write_text("peak_flops: {bf16: 1e12}\nintra_node: {bandwidth_GBps: 0}\n")
     with pytest.raises(ClusterError, match="intra_node.bandwidth_GBps"):
         load_cluster(str(p))
+
+
+def test_speedup_vs_ratio_scales_only_the_comm_ops():
+    """scripts/speedup_vs_ratio.py's scaled table: comm ops' alone times k times as long,
+    compute ops' unchanged, and every pair of a comm and a compute op keeps its overlap
+    stretch (so k = 1 gives the pair times back)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "speedup_vs_ratio", ROOT / "scripts" / "speedup_vs_ratio.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    layer = tp_sp_layer()
+    t = random_table(layer, random.Random(3))
+    comm = {o.name for o in layer.forward + layer.backward if o.lane != "compute"}
+    for k in (1.0, 2.5):
+        s = mod.scaled(t, layer, k)
+        for alone, orig in ((s.alone_f, t.alone_f), (s.alone_b, t.alone_b)):
+            for n, v in orig.items():
+                assert alone[n] == pytest.approx(v * (k if n in comm else 1.0)), (k, n)
+        for (f, b), p in t.pair.items():
+            if (f in comm) == (b in comm):
+                assert s.pair[(f, b)] == p, (k, f, b)
+                continue
+            assert s.stretch(f, b) == pytest.approx(t.stretch(f, b)), (k, f, b)
+            if k == 1.0 and p >= max(t.alone_f[f], t.alone_b[b]):
+                assert s.pair[(f, b)] == pytest.approx(p), (f, b)

@@ -1,0 +1,115 @@
+"""What the simulator says a plan can reach as the link gets slower or faster: a profiled
+table's comm ops scaled by k (their alone times, their issue host times, and each pair's
+time so that the pair's overlap stretch `CostTable.stretch` is kept), re-planned at each
+k, the whole step (`planner.whole_step`) of megatron's order and of the plan. Prints one
+row per k — comm/compute of the layer (comm ops' alone times / compute ops'), the two
+steps, the speedup, and the speedup's bound (megatron / max(compute, comm) + the rest) —
+and draws the curve (PNG).
+
+    python scripts/speedup_vs_ratio.py --table table.json --config small16 \\
+        --tensor-model-parallel-size 2 --seq-length 128 --micro-batch-size 4 \\
+        --num-microbatches 8 --png speedup-vs-ratio.png
+
+A scaled table is not a measured one: the comm ops' host times and overlap factors are
+the profiled link's. It answers "what does the plan structure allow at this ratio", not
+"what will a run measure".
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+
+
+def scaled(costs, layer, k: float):
+    """`costs` with every comm op k times as long (its pairs keep their stretch)."""
+    comm_f = {o.name for o in layer.forward if o.lane != "compute"}
+    comm_b = {o.name for o in layer.backward if o.lane != "compute"}
+    out = copy.deepcopy(costs)
+    for n in comm_f:
+        out.alone_f[n] *= k
+    for n in comm_b:
+        out.alone_b[n] *= k
+    for (f, b), p in costs.pair.items():
+        if (f in comm_f) == (b in comm_b):
+            continue                      # same lane kind: never overlapped, unchanged
+        s = costs.stretch(f, b)
+        tf, tb = out.alone_f[f], out.alone_b[b]
+        out.pair[(f, b)] = max(tf, tb) + (s - 1.0) * min(tf, tb)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--table", required=True)
+    p.add_argument("--config", default="small16")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-microbatches", type=int, default=8)
+    p.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0,1.2,1.5,2.0",
+                   help="comm time factors (1.0: the table as profiled)")
+    p.add_argument("--png", default=None)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    from dhelix.models.config import load_model_config
+    from dhelix.planner import dp
+    from dhelix.planner.problem import layer_for_shape, load_costs
+    from dhelix.planner.whole_step import simulate_megatron_step, simulate_step
+    tp = a.tensor_model_parallel_size
+    shape = {"config": a.config, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
+             "mbs": a.micro_batch_size, "bf16": False, "lane": "intra", "ep": 1, "cp": 1,
+             "mlp_chunks": 1}
+    layer = layer_for_shape(shape)
+    costs, _ = load_costs(layer, shape, a.table, None, False)
+    if costs.step_extras is None:
+        raise SystemExit(f"{a.table}: no step_extras (profile it with `dhelix profile`)")
+    L, N = load_model_config(a.config).num_layers, a.num_microbatches
+    rows = []
+    for k in [float(x) for x in a.scales.split(",")]:
+        c = scaled(costs, layer, k)
+
+        def total(names, table, in_step):
+            return sum(in_step.get(n, table[n]) for n in names)
+        comp_names_f = [o.name for o in layer.forward if o.lane == "compute"]
+        comp_names_b = [o.name for o in layer.backward if o.lane == "compute"]
+        comm_names_f = [o.name for o in layer.forward if o.lane != "compute"]
+        comm_names_b = [o.name for o in layer.backward if o.lane != "compute"]
+        comp = total(comp_names_f, c.alone_f, c.in_step_f) + \
+            total(comp_names_b, c.alone_b, c.in_step_b)
+        comm = sum(c.alone_f[n] for n in comm_names_f) + sum(c.alone_b[n] for n in comm_names_b)
+        mg = simulate_megatron_step(layer, c, L, N, c.step_extras).total_s
+        plan = dp.plan(layer, c, rotate=True, reorder=True, num_layers=L)
+        dh = simulate_step(layer, plan, c, L, N, c.step_extras).total_s
+        rest = c.step_extras.per_microbatch() * N + c.step_extras.per_step()
+        bound = mg / (rest + L * N * max(comp, comm))
+        rows.append({"scale": k, "comm_compute": comm / comp, "megatron_s": mg,
+                     "dhelix_s": dh, "speedup": mg / dh, "bound": bound})
+        print(f"k {k:4.2f}  comm/compute {comm / comp:4.2f}  megatron {mg * 1e3:7.0f} ms  "
+              f"plan {dh * 1e3:7.0f} ms  speedup {mg / dh:.3f}x  (bound {bound:.3f}x)",
+              flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"table": a.table, "rows": rows}, f, indent=1)
+    if a.png:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        x = [r["comm_compute"] for r in rows]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot(x, [r["speedup"] for r in rows], "o-", label="plan (simulated)")
+        ax.plot(x, [r["bound"] for r in rows], "--", color="gray",
+                label="bound: megatron / (max(compute, comm) + rest)")
+        ax.axhline(1.5, color="red", lw=0.8, label="goal 1.5x")
+        ax.set_xlabel("layer comm / compute")
+        ax.set_ylabel("whole-step speedup over megatron")
+        ax.set_title(f"{a.config}, TP={tp}, {N} micro-batches: the simulator's plan")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(a.png, dpi=120)
+        print(f"wrote {a.png}")
+
+
+if __name__ == "__main__":
+    main()
