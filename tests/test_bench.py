@@ -90,3 +90,14 @@ def test_a_dhelix_run_that_trains_otherwise_is_flagged():
     assert loss_mismatch("dhelix-fold", {"losses": [1.0]}, "megatron-1f1b", base)
     for peer in ("intra-batch", "dhelix-halves"):       # a batch split in two rounds
         assert loss_mismatch(peer, {"losses": [6.3, 6.1]}, "megatron", base) == ""
+
+
+def test_peer_waits_per_step_from_a_runs_link():
+    """A bench row's `peer_wait_s`: the run's late-peer and slot waits over its steps;
+    None without a paced link (or a result written before the link counted them)."""
+    from dhelix.bench.report import peer_wait_per_step
+    r = {"step_times_s": [1.0, 1.0, 1.0, 1.0],
+         "link": {"peer_late_s": 0.3, "peer_slot_s": 0.1, "waited_s": 2.0}}
+    assert peer_wait_per_step(r) == pytest.approx(0.1)
+    assert peer_wait_per_step({"step_times_s": [1.0], "link": None}) is None
+    assert peer_wait_per_step({"step_times_s": [1.0], "link": {"waited_s": 1.0}}) is None

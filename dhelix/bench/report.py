@@ -30,6 +30,16 @@ def loss_mismatch(method: str, r: dict, base_method: str, base: dict) -> str:
     return f"{method}'s losses {r['losses']} against {base_method}'s {base['losses']}"
 
 
+def peer_wait_per_step(r: dict):
+    """Seconds a step of run `r` (a `dhelix train --json` result, rank 0) waited for a
+    peer rank, which the link model does not price (`link.peer_late_s` + `peer_slot_s`),
+    or None without a paced link."""
+    link = r.get("link") or {}
+    if "peer_late_s" not in link:
+        return None
+    return (link["peer_late_s"] + link["peer_slot_s"]) / max(len(r["step_times_s"]), 1)
+
+
 def step_time(r: dict) -> float:
     ts = r["step_times_s"][1:] or r["step_times_s"]
     return statistics.median(ts)
@@ -77,6 +87,8 @@ def rows(cfg, link, res, tr, methods=METHODS, sim_layer=None,
             "predicted_step_s": w.total_s if w else None,
             "prediction_error": (w.total_s - t) / t if w else None,
             "predicted_breakdown": w.to_json() if w else None,
+            # what the simulator cannot see: rank 0's waits for a late peer, a step
+            "peer_wait_s": res[m].get("peer_wait_s"),
         })
     return out
 
