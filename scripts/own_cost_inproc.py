@@ -85,7 +85,7 @@ def main():
     import importlib
     switch = (importlib.import_module(AB[a.ab][0]), AB[a.ab][1]) if a.ab else None
     settings = [f"{a.ab} on", f"{a.ab} off"] if a.ab else ["as is"]
-    variants = [(name, ck) for ck in settings for name in runs]
+    variants = [(name, setting) for setting in settings for name in runs]
     times = {v: [] for v in variants}
     # the paced link's waits per variant (seconds over the counted pairs): past the data's
     # arrival for the modelled end, for a free slot, for a peer's late data
@@ -99,9 +99,9 @@ def main():
     waited = {v: [0.0, 0.0, 0.0] for v in variants}
     for i in range(a.pairs + 1):         # the first pair warms up, not counted
         for v in (variants if i % 2 == 0 else variants[::-1]):
-            name, ck = v
+            name, setting = v
             if switch:
-                setattr(*switch, ck.endswith(" on"))
+                setattr(*switch, setting.endswith(" on"))
             schedule, chunks = runs[name]
             for c in chunks:
                 c.zero_grad_buffer()
@@ -117,16 +117,16 @@ def main():
             if i:
                 waited[v] = [x + y - z for x, y, z in zip(waited[v], waits(), w0)]
         if info.rank == 0:
-            for ck in settings:
-                mg, dh = times[("megatron", ck)][-1], times[("dhelix", ck)][-1]
-                print(f"pair {i}{' (warm-up)' if i == 0 else ''} {ck}: megatron "
+            for setting in settings:
+                mg, dh = times[("megatron", setting)][-1], times[("dhelix", setting)][-1]
+                print(f"pair {i}{' (warm-up)' if i == 0 else ''} {setting}: megatron "
                       f"{mg * 1e3:7.0f} ms  DHelix {dh * 1e3:7.0f} ms  {mg / dh:.3f}x",
                       flush=True)
     if info.rank == 0:
-        for ck in settings:
-            mg, dh = times[("megatron", ck)][1:], times[("dhelix", ck)][1:]
+        for setting in settings:
+            mg, dh = times[("megatron", setting)][1:], times[("dhelix", setting)][1:]
             ratios = [x / y for x, y in zip(mg, dh)]
-            print(f"{a.link} {ck}: median of {a.pairs} pairs {statistics.median(ratios):.3f}x "
+            print(f"{a.link} {setting}: median of {a.pairs} pairs {statistics.median(ratios):.3f}x "
                   f"(range {min(ratios):.3f}-{max(ratios):.3f}); median step megatron "
                   f"{statistics.median(mg) * 1e3:.0f} ms, DHelix "
                   f"{statistics.median(dh) * 1e3:.0f} ms", flush=True)

@@ -1,6 +1,6 @@
 """What the simulator says a plan can reach as the link gets slower or faster: a profiled
-table's comm ops scaled by k (their alone times, their issue host times, and each pair's
-time so that the pair's overlap stretch `CostTable.stretch` is kept), re-planned at each
+table's comm ops scaled by k (their alone times, and each pair's time so that the pair's
+overlap stretch `CostTable.stretch` is kept), re-planned at each
 k, the whole step (`planner.whole_step`) of megatron's order and of the plan. Prints one
 row per k — comm/compute of the layer (comm ops' alone times / compute ops'), the two
 steps, the speedup, and the speedup's bound (megatron / max(compute, comm) + the rest) —
@@ -66,19 +66,15 @@ def main():
     if costs.step_extras is None:
         raise SystemExit(f"{a.table}: no step_extras (profile it with `dhelix profile`)")
     L, N = load_model_config(a.config).num_layers, a.num_microbatches
+    # a layer's compute (in-step times where measured) and comm, forward and backward
+    strands = ((layer.forward, "alone_f", "in_step_f"), (layer.backward, "alone_b", "in_step_b"))
     rows = []
     for k in [float(x) for x in a.scales.split(",")]:
         c = scaled(costs, layer, k)
-
-        def total(names, table, in_step):
-            return sum(in_step.get(n, table[n]) for n in names)
-        comp_names_f = [o.name for o in layer.forward if o.lane == "compute"]
-        comp_names_b = [o.name for o in layer.backward if o.lane == "compute"]
-        comm_names_f = [o.name for o in layer.forward if o.lane != "compute"]
-        comm_names_b = [o.name for o in layer.backward if o.lane != "compute"]
-        comp = total(comp_names_f, c.alone_f, c.in_step_f) + \
-            total(comp_names_b, c.alone_b, c.in_step_b)
-        comm = sum(c.alone_f[n] for n in comm_names_f) + sum(c.alone_b[n] for n in comm_names_b)
+        comp = sum(getattr(c, in_step).get(o.name, getattr(c, alone)[o.name])
+                   for ops, alone, in_step in strands for o in ops if o.lane == "compute")
+        comm = sum(getattr(c, alone)[o.name]
+                   for ops, alone, _ in strands for o in ops if o.lane != "compute")
         mg = simulate_megatron_step(layer, c, L, N, c.step_extras).total_s
         plan = dp.plan(layer, c, rotate=True, reorder=True, num_layers=L)
         dh = simulate_step(layer, plan, c, L, N, c.step_extras).total_s

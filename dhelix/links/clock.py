@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import time
 
 # a sleep with 1 ns slack still wakes ~30-50 µs late here: sleep until this long before
@@ -29,12 +30,12 @@ _PR_SET_TIMERSLACK = 29
 # they buy: scripts/own_cost_inproc.py --ab clock)
 FINE = True
 _slack = {}          # thread -> the timer slack set on it
+_OWN = None          # every local rank has a core of its own (`_own_core`)
 
 
 def fine_timer() -> None:
     """Set the calling thread's timer slack to 1 ns (Linux; elsewhere nothing); with
     FINE off, back to Linux's default 50 µs."""
-    import threading
     tid, want = threading.get_ident(), 1 if FINE else 50_000
     if _slack.get(tid) == want:
         return
@@ -51,9 +52,6 @@ def _own_core() -> bool:
     if _OWN is None:
         _OWN = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= (os.cpu_count() or 1)
     return _OWN
-
-
-_OWN = None
 
 
 def sleep_until(t: float) -> None:

@@ -21,10 +21,10 @@ semantics already demand that order). Collective s uses slot s % K of every memb
 A rank with K collectives of its own still open completes the oldest before issuing, so
 no rank can wait for a slot that only its own unfinished read keeps busy. And at each
 issue a rank first reads every open collective all members have posted (`EAGER`), so a
-peer's issue K collectives later does not wait for this rank's reader to run: an
-output written before its wait is legal, as NCCL writes it whenever the transfer ends. On x86 a store
-is not reordered with an earlier store, nor a load with an earlier load, so publishing a
-counter after the data copy is enough.
+peer's issue K collectives later does not wait for this rank's reader to run (an output
+written before its wait is legal: NCCL writes it whenever the transfer ends). On x86 a
+store is not reordered with an earlier store, nor a load with an earlier load, so
+publishing a counter after the data copy is enough.
 """
 from __future__ import annotations
 
