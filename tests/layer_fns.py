@@ -5,9 +5,10 @@ from dhelix.models.config import load_model_config
 
 
 def setup_layer(config="tiny", tp=2, sp=True, seed=11, seq=16, mbs=2, bf16=False,
-                mlp_chunks=1):
+                mlp_chunks=1, keep_gathered=False):
     """Build megatron's TransformerLayer and the DHelix layer with identical weights (the
-    DHelix layer's MLP forward in `mlp_chunks` chunks)."""
+    DHelix layer's MLP forward in `mlp_chunks` chunks; with `keep_gathered` its backward
+    keeps the forward's gathered inputs)."""
     from megatron.core import parallel_state
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -32,6 +33,7 @@ def setup_layer(config="tiny", tp=2, sp=True, seed=11, seq=16, mbs=2, bf16=False
     dh = build_module(layer_spec(DHelixLayer), config=cfg, layer_number=1)
     dh.load_state_dict(ref.state_dict())
     dh.dhelix_mlp_chunks = mlp_chunks
+    dh.dhelix_keep_gathered = keep_gathered
     rope = None
     if m.position_embedding_type == "rope":
         rope = RotaryEmbedding(kv_channels=cfg.kv_channels, rotary_percent=1.0,
@@ -130,7 +132,7 @@ def named_plans(ops, nplans, seed, earliest_wgrad=False):
 
 
 def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5, tol=0.0,
-                mlp_chunks=1):
+                mlp_chunks=1, keep_gathered=False):
     """The trivial, paired and earliest-wgrad plans and `nplans` random legal ones, each
     against megatron's layer on this rank (`compare.same_tensors`: α's output, β's input
     grad, every parameter grad, no name missing or extra, nothing non-finite, within
@@ -138,7 +140,8 @@ def check_plans(config="tiny", tp=2, sp=True, nplans=50, seq=16, mbs=2, seed=5, 
     reorder). Raises `compare.Mismatch` naming the plan; returns counts."""
     from compare import Mismatch, same_tensors
 
-    ref, dh, cfg, rope = setup_layer(config, tp, sp, seed, seq, mbs, mlp_chunks=mlp_chunks)
+    ref, dh, cfg, rope = setup_layer(config, tp, sp, seed, seq, mbs, mlp_chunks=mlp_chunks,
+                                     keep_gathered=keep_gathered)
     x_a = inputs(cfg, seq, mbs, seed + 1, sp)
     x_b = inputs(cfg, seq, mbs, seed + 2, sp)
     g_b = inputs(cfg, seq, mbs, seed + 3, sp)

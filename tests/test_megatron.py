@@ -92,18 +92,21 @@ def test_halves_checked_before_training():
         check_dhelix_args(args("--dhelix-halves"))
 
 
+def _tp_sp_args(*argv, **extra):
+    """pretrain_gpt.py's arguments with TP=2, sequence parallel, seq 64, and `extra`."""
+    a = _args(*argv)
+    for k, v in dict(dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                          seq_length=64), **extra).items():
+        setattr(a, k, v)
+    return a
+
+
 def test_mlp_chunks_checked_before_training():
     """`--dhelix-mlp-chunks C`: TP > 1 with sequence parallel, a dense MLP, C dividing each
     rank's sequence rows, and --dhelix; each refusal names the flag and the fix."""
     import pytest
     from dhelix.megatron.args import DHelixArgError, check_dhelix_args
-
-    def args(*argv, **extra):
-        a = _args(*argv)
-        for k, v in dict(dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                              seq_length=64), **extra).items():
-            setattr(a, k, v)
-        return a
+    args = _tp_sp_args
     check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "4"))
     with pytest.raises(DHelixArgError, match="not with no --sequence-parallel"):
         check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "2", sequence_parallel=False))
@@ -120,3 +123,22 @@ def test_mlp_chunks_checked_before_training():
         check_dhelix_args(args("--dhelix", "--dhelix-mlp-chunks", "0"))
     with pytest.raises(DHelixArgError, match="--dhelix-mlp-chunks needs --dhelix"):
         check_dhelix_args(args("--dhelix-mlp-chunks", "2"))
+
+
+def test_keep_gathered_checked_before_training():
+    """`--dhelix-keep-gathered`: TP > 1 with sequence parallel, on the layouts checked
+    against megatron (dense, no CP, no fold, no recompute), and --dhelix."""
+    import pytest
+    from dhelix.megatron.args import DHelixArgError, check_dhelix_args
+    args = _tp_sp_args
+    check_dhelix_args(args("--dhelix", "--dhelix-keep-gathered"))
+    check_dhelix_args(args("--dhelix", "--dhelix-keep-gathered", "--dhelix-mlp-chunks", "2"))
+    for extra, what in ((dict(sequence_parallel=False), "no --sequence-parallel"),
+                        (dict(tensor_model_parallel_size=1), "--tensor-model-parallel-size 1"),
+                        (dict(num_experts=4), "--num-experts"),
+                        (dict(context_parallel_size=2), "--context-parallel-size 2"),
+                        (dict(recompute_granularity="full"), "--recompute-granularity")):
+        with pytest.raises(DHelixArgError, match=f"not with {what}.*drop --dhelix-keep"):
+            check_dhelix_args(args("--dhelix", "--dhelix-keep-gathered", **extra))
+    with pytest.raises(DHelixArgError, match="--dhelix-keep-gathered needs --dhelix"):
+        check_dhelix_args(args("--dhelix-keep-gathered"))

@@ -253,3 +253,40 @@ def test_plan_and_simulate_a_chunked_mlp(tmp_path, capsys):
     rc, _, err = run(["plan", "--config", "tiny", "--tensor-model-parallel-size", "2",
                       "--dhelix-mlp-chunks", "2", "--cluster", "a800", "--out", out], capsys)
     assert rc == 2 and "sequence parallel" in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_a_layer_that_keeps_its_gathers(tmp_path, capsys):
+    """`--dhelix-keep-gathered`: the plan's layer has no backward re-gathers and the plain
+    layer's table serves it (its ops are a subset, each the same work); the simulated peak
+    grows by the kept gathered inputs; `simulate` replays it from the plan's meta; a table
+    made for the keeping layer does not serve the plain one; without sequence parallel it
+    is a one-line error."""
+    from dhelix.planner.costs import CostTable, TableError
+    plain = tiny_layer()
+    keep = layer_ops_for_shape(load_model_config("tiny"), 2, True, 128, 2, keep_gathered=True)
+    assert {o.name for o in plain.backward} - {o.name for o in keep.backward} == \
+        {"ag_attn_w", "ag_mlp_w"}
+    assert keep.signature() != plain.signature() and keep.tables_for()[1] == plain.signature()
+    cl = load_cluster(os.path.join(REPO, "configs/clusters/a800.yaml"))
+    table = str(tmp_path / "table.json")
+    analytical_table(plain, cl, {"tp": 2}, dtype="fp32").save(table)
+    outs = {}
+    for name, flags in (("plain", []), ("keep", ["--dhelix-keep-gathered"])):
+        outs[name] = str(tmp_path / f"{name}.json")
+        rc, stdout, err = run(["plan", *TINY, *flags, "--table", table, "--out", outs[name]],
+                              capsys)
+        assert rc == 0, err
+    p = Plan.load(outs["keep"])
+    assert p.meta["shape"]["keep_gathered"] is True
+    validate(p, keep)
+    assert not {"ag_attn_w", "ag_mlp_w"} & set(p.backward)
+    peak = {n: Plan.load(o).meta["predicted_peak_bytes"] for n, o in outs.items()}
+    assert peak["keep"] > peak["plain"]
+    rc, stdout, err = run(["simulate", outs["keep"], "--table", table], capsys)
+    assert rc == 0, err
+    assert "gathered inputs kept" in stdout
+    with pytest.raises(TableError, match="signature"):
+        analytical_table(keep, cl, {"tp": 2}).check(plain)
+    rc, _, err = run(["plan", "--config", "tiny", "--tensor-model-parallel-size", "2",
+                      "--dhelix-keep-gathered", "--cluster", "a800"], capsys)
+    assert rc == 2 and "--sequence-parallel" in err and len(err.strip().splitlines()) == 1

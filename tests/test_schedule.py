@@ -51,11 +51,11 @@ def _runs(world, dhelix, **kw):
     return base, dh
 
 
-def _random_plan(tmp_path, config, seed, mbs, rotation=0, mlp_chunks=1):
+def _random_plan(tmp_path, config, seed, mbs, rotation=0, mlp_chunks=1, keep_gathered=False):
     from train_fns import write_random_plan
     plan = str(tmp_path / f"random{seed}.json")
     run_ranks(write_random_plan, 2, plan, config, seed, mbs, rotation, mlp_chunks,
-              timeout=200)
+              keep_gathered, timeout=200)
     return plan
 
 
@@ -90,6 +90,31 @@ def test_mlp_chunks_train_like_baseline(tmp_path, nmb, rotation):
     plan = _random_plan(tmp_path, "tiny", 7 + nmb, 2, rotation, mlp_chunks=2)
     base, dh = _runs(2, {"enabled": True, "mlp_chunks": 2, "plan": plan}, **kw)
     assert same_runs(dh, base) == 0.0
+
+
+@pytest.mark.parametrize("config,nmb,rotation", [("tiny", 1, 0), ("tiny-llama", 3, 3),
+                                                 ("tiny", 4, 0), ("tiny-llama", 8, 5)])
+def test_kept_gathers_train_like_baseline(tmp_path, config, nmb, rotation):
+    """`--dhelix-keep-gathered` (the forward's gathered inputs kept for the wgrads, no
+    backward re-gathers), TP=2+SP, a random plan of that layer (some rotated), 20 steps:
+    megatron's run bit for bit (`same_runs` at tolerance 0)."""
+    kw = dict(config=config, tensor_model_parallel_size=2, sequence_parallel=True,
+              train_iters=STEPS, micro_batch_size=2, global_batch_size=2 * nmb)
+    plan = _random_plan(tmp_path, config, 11 + nmb, 2, rotation, keep_gathered=True)
+    base, dh = _runs(2, {"enabled": True, "keep_gathered": True, "plan": plan}, **kw)
+    assert same_runs(dh, base) == 0.0
+
+
+def test_kept_gathers_with_the_halves_and_chunks():
+    """`--dhelix-keep-gathered` with `--dhelix-halves` and `--dhelix-mlp-chunks 2` (the
+    attention's input kept, the chunked MLP's gathered again), 3 micro-batches, 10 steps:
+    at the halves' tolerances."""
+    kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
+              train_iters=10, micro_batch_size=2, global_batch_size=6)
+    base, dh = _runs(2, {"enabled": True, "halves": True, "mlp_chunks": 2,
+                         "keep_gathered": True}, **kw)
+    assert same_runs(dh, base, 1e-5, keys=("losses",)) <= 1e-5
+    assert same_runs(dh, base, 1e-3, keys=("weight_checksums",)) <= 1e-3
 
 
 def test_mlp_chunks_with_the_halves():

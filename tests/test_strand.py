@@ -44,6 +44,19 @@ def test_chunked_mlp_matches_megatron(config, chunks):
         assert res["num_ops"][0] == 14 + 5 * (chunks - 1) and res["num_ops"][1] == 20
 
 
+@pytest.mark.parametrize("config,chunks", [("tiny", 1), ("tiny-llama", 1), ("tiny", 2)])
+def test_kept_gathers_match_megatron(config, chunks):
+    """`--dhelix-keep-gathered`: the wgrads read the forward's gathered inputs, the
+    backward gathers nothing again (no `ag_attn_w`, and no `ag_mlp_w` unless the MLP's
+    forward gathers in chunks), and every plan is still megatron's layer bit for bit."""
+    for res in run_ranks(layer_fns.check_plans, 2, timeout=300, config=config, tp=2,
+                         sp=True, nplans=RANDOM_PLANS // 2, mlp_chunks=chunks,
+                         keep_gathered=True):
+        assert res["nplans"] == RANDOM_PLANS // 2 + 3 and res["distinct"] == res["nplans"]
+        assert res["num_ops"][1] == (18 if chunks == 1 else 19)
+        assert res["reordered"] >= 5
+
+
 def test_tp1_matches_megatron():
     res = run_ranks(layer_fns.check_plans, 1, timeout=200, config="tiny-llama", tp=1,
                     sp=False, nplans=RANDOM_PLANS_TP1)[0]

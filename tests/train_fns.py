@@ -24,13 +24,16 @@ def write_plan_for(path, config):
     return path
 
 
-def write_random_plan(path, config, seed, mbs=2, rotation=0, mlp_chunks=1):
+def write_random_plan(path, config, seed, mbs=2, rotation=0, mlp_chunks=1,
+                      keep_gathered=False):
     """A random legal plan for `config`'s layer (TP=2, SP, seq 64, micro-batch `mbs`, the
-    MLP's forward in `mlp_chunks`), β's chain rotated by `rotation`."""
+    MLP's forward in `mlp_chunks`, the gathered inputs kept with `keep_gathered`), β's
+    chain rotated by `rotation`."""
     import random
     from dhelix.planner.enumerate import random_legal_plan
     import layer_fns
-    _, dh, _, _ = layer_fns.setup_layer(config, 2, True, 1, 64, mbs, mlp_chunks=mlp_chunks)
+    _, dh, _, _ = layer_fns.setup_layer(config, 2, True, 1, 64, mbs, mlp_chunks=mlp_chunks,
+                                        keep_gathered=keep_gathered)
     import torch.distributed as dist
     if dist.get_rank() == 0:
         random_legal_plan(dh.program.layer_ops(64, mbs), random.Random(seed),

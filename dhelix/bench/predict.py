@@ -8,10 +8,11 @@ from typing import Dict
 from dhelix.links import parse_link
 
 
-def layer_costs(a, cfg, cost_source, chunks=None):
+def layer_costs(a, cfg, cost_source, chunks=None, keep=False):
     """The bench's layer (LayerOps) and the costs its planned runs used: the profiled
     table, or the analytical model of this machine. `chunks`: the layer's MLP chunks
-    (default: the planned runs' for a table that is theirs, `--dhelix-mlp-chunks`)."""
+    (default: the planned runs' for a table that is theirs, `--dhelix-mlp-chunks`);
+    `keep`: the layer that keeps its gathered inputs (`--dhelix-keep-gathered`)."""
     from dhelix.planner.problem import layer_for_shape, load_costs
     tp = a.tensor_model_parallel_size
     if chunks is None:
@@ -20,7 +21,7 @@ def layer_costs(a, cfg, cost_source, chunks=None):
     shape = {"config": cfg, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
              "mbs": a.micro_batch_size, "bf16": False, "lane": "intra",
              "ep": a.expert_model_parallel_size, "cp": a.context_parallel_size,
-             "mlp_chunks": chunks}
+             "mlp_chunks": chunks, "keep_gathered": keep}
     layer = layer_for_shape(shape)
     table = cost_source if cost_source.endswith(".json") else None
     costs, _ = load_costs(layer, shape, table, None if table else cost_source, False)
@@ -36,13 +37,14 @@ def layer_prediction(a, cfg, cost_source) -> float:
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
-def planned_step(a, cfg, cost_source):
+def planned_step(a, cfg, cost_source, keep=False):
     """The whole step the simulator predicts for the planned run on the profiled table
-    `cost_source` (its layer: `layer_costs`), or None where the table has no extras."""
+    `cost_source` (its layer: `layer_costs`, keeping the gathers with `keep`), or None
+    where the table has no extras."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
     from dhelix.planner.whole_step import simulate_step
-    layer, costs = layer_costs(a, cfg, cost_source)
+    layer, costs = layer_costs(a, cfg, cost_source, keep=keep)
     if costs.step_extras is None:
         return None
     L, N = load_model_config(cfg).num_layers, a.num_microbatches

@@ -12,6 +12,9 @@ METHODS = ("megatron", "intra-batch", "dhelix-trivial", "dhelix-plan", "dhelix-h
 PP_METHODS = ("megatron-1f1b", "megatron-interleaved", "dhelix-fold")
 # with --dhelix-mlp-chunks C: the planned run with its layers' MLP forward in C chunks
 CHUNKS = "dhelix-chunks"
+# with --dhelix-keep-gathered: the planned run whose layers keep the forward's gathered
+# inputs for the weight gradients (no backward re-gathers), planned from the same table
+KEEP = "dhelix-keep"
 # MoE: the intra-batch peer splits dense layers only; megatron's own fwd∥bwd overlap for
 # MoE (combined 1F1B, --overlap-moe-expert-parallel-comm) needs CUDA streams and events
 EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
@@ -19,7 +22,7 @@ EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
 # seed, data and arithmetic, only the order of independent work differs (the intra-batch
 # peer, DHelix's halves and the MLP chunks split a batch's GEMMs, so a weight's gradient
 # adds parts and may round differently)
-EXACT = ("dhelix-trivial", "dhelix-plan", "dhelix-fold")
+EXACT = ("dhelix-trivial", "dhelix-plan", "dhelix-fold", KEEP)
 
 
 def loss_mismatch(method: str, r: dict, base_method: str, base: dict) -> str:
@@ -55,7 +58,7 @@ def rewrite(json_path: str, out: str) -> None:
     if pp:
         plot(rows, out + ".png", PP_METHODS, "megatron 1F1B")
     else:
-        plot(rows, out + ".png", [m for m in METHODS + (CHUNKS,)
+        plot(rows, out + ".png", [m for m in METHODS + (CHUNKS, KEEP)
                                   if any(r["method"] == m for r in rows)])
 
 

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List
 
 from dhelix.bench import emulated, predict, report
-from dhelix.bench.report import CHUNKS, EP_METHODS, METHODS, PP_METHODS
+from dhelix.bench.report import CHUNKS, EP_METHODS, KEEP, METHODS, PP_METHODS
 from dhelix.links import parse_link
 
 
@@ -65,6 +65,7 @@ class BenchOptions:
     planner_source: str = "table"             # "table" (profiled) or "analytical"
     profile_repeats: int = 3
     dhelix_mlp_chunks: int = 1                # > 1: the planned runs' MLP in chunks
+    dhelix_keep_gathered: bool = False        # one more planned run, keeping the gathers
     compute: str = "none"                     # paced:CLUSTER[,x=F]: emulated time
     emulate: str = ""                         # the emulated shape (with compute)
     out: str = "bench"                        # prefix for .md, .json and .png
@@ -149,13 +150,15 @@ def _argv(a, cfg, out_json, method, cluster, trace):
     elif method == "dhelix-trivial":
         argv += ["--dhelix", "--dhelix-plan", "trivial"] + \
             (["--dhelix-trace", trace] if a.compute == "none" else [])
-    elif method in ("dhelix-plan", "dhelix-halves", "dhelix-fold"):
+    elif method in ("dhelix-plan", "dhelix-halves", "dhelix-fold", KEEP):
         # (paced compute: no cost source, the plan is made for the emulated shape)
         argv += ["--dhelix"] + ([] if not cluster else
                                 ["--dhelix-overlap-table", cluster]
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
         if method == "dhelix-halves":
             argv += ["--dhelix-halves"]
+        elif method == KEEP:
+            argv += ["--dhelix-keep-gathered"]
     elif method == CHUNKS:
         argv += ["--dhelix", "--dhelix-overlap-table", cluster,
                  "--dhelix-mlp-chunks", str(a.dhelix_mlp_chunks)]
@@ -263,13 +266,14 @@ def run_bench(a: BenchOptions) -> int:
         or emu else METHODS
     profile = a.planner_source == "table" and not emu
     chunked = (a.dhelix_mlp_chunks or 1) > 1
-    if chunked and (not profile or a.pipeline_model_parallel_size > 1 or
-                    a.context_parallel_size > 1 or a.expert_model_parallel_size > 1):
-        print("dhelix bench: error: --dhelix-mlp-chunks plans the dense TP+SP layer from a "
-              "profiled table (PP, CP and EP 1, --planner-source table)", file=sys.stderr)
-        return 2
-    if chunked:
-        methods = methods + (CHUNKS,)
+    dense = profile and methods == METHODS     # the dense TP+SP layer, from a profiled table
+    for flag, on in (("--dhelix-mlp-chunks", chunked),
+                     ("--dhelix-keep-gathered", a.dhelix_keep_gathered)):
+        if on and not dense:
+            print(f"dhelix bench: error: {flag} plans the dense TP+SP layer from a profiled "
+                  f"table (PP, CP and EP 1, --planner-source table)", file=sys.stderr)
+            return 2
+    methods = methods + (CHUNKS,) * chunked + (KEEP,) * bool(a.dhelix_keep_gathered)
     per = len(methods) * a.rounds + profile + chunked
     planned = None
     wrong: List[str] = []          # DHelix runs that did not train as the baseline did
@@ -363,6 +367,8 @@ def run_bench(a: BenchOptions) -> int:
                         preds = predict.step_predictions(a, cfg, cluster)
                         if planned:           # the chunked run, from its own table
                             preds[CHUNKS] = predict.planned_step(a, cfg, planned)
+                        if KEEP in methods:   # the plain layer's table serves it
+                            preds[KEEP] = predict.planned_step(a, cfg, cluster, keep=True)
                         rows += report.rows(cfg, link, res,
                                             _trace_totals(trace_files(trace)[0]), methods,
                                             predict.layer_prediction(a, cfg, cluster), preds)

@@ -40,6 +40,10 @@ def add_shape_args(p, required: bool) -> None:
                    help="the MLP forward in C token chunks, as `dhelix train "
                         "--dhelix-mlp-chunks C` runs it (needs TP > 1 with "
                         "--sequence-parallel; default 1)")
+    g.add_argument("--dhelix-keep-gathered", action="store_true", default=None,
+                   help="the layer that keeps its gathered inputs for the weight gradients "
+                        "(no backward re-gathers), as `dhelix train --dhelix-keep-gathered` "
+                        "runs it; the table of the plain layer serves it")
 
 
 def add_cp_arg(g, default) -> None:
@@ -52,7 +56,7 @@ def add_cp_arg(g, default) -> None:
 
 SHAPE_DESTS = ("config", "tensor_model_parallel_size", "sequence_parallel", "seq_length",
                "micro_batch_size", "bf16", "lane", "expert_model_parallel_size",
-               "context_parallel_size", "dhelix_mlp_chunks")
+               "context_parallel_size", "dhelix_mlp_chunks", "dhelix_keep_gathered")
 
 
 def shape_given(a) -> bool:
@@ -64,7 +68,8 @@ def shape_from_args(a) -> dict:
                       seq=a.seq_length, mbs=a.micro_batch_size, bf16=a.bf16, lane=a.lane,
                       ep=getattr(a, "expert_model_parallel_size", None),
                       cp=getattr(a, "context_parallel_size", None),
-                      mlp_chunks=getattr(a, "dhelix_mlp_chunks", None))
+                      mlp_chunks=getattr(a, "dhelix_mlp_chunks", None),
+                      keep_gathered=getattr(a, "dhelix_keep_gathered", None))
 
 
 def add_cost_args(p, required: bool) -> None:

@@ -62,6 +62,13 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "all-gather runs beside chunk c-1's GEMMs and its reduce-scatter "
                         "beside chunk c+1's, so the link has work while the other strand "
                         "has none; bit-identical to megatron (default 1: unchunked)")
+    g.add_argument("--dhelix-keep-gathered", action="store_true",
+                   help="keep each column-parallel linear's gathered input (sequence "
+                        "parallel) from the forward to its weight gradient instead of "
+                        "gathering it again in the backward: two of a layer's ten TP "
+                        "collectives fewer, for s·b·h more activation memory per layer and "
+                        "micro-batch in flight (needs TP > 1 with --sequence-parallel); "
+                        "bit-identical to megatron")
     g.add_argument("--dhelix-peer", choices=["intra-batch"], default=None,
                    help="instead of DHelix, the intra-batch overlap peer (for comparison): "
                         "each micro-batch split in two halves, interleaved round-robin")
@@ -90,6 +97,8 @@ def check_dhelix_args(args) -> None:
                 raise DHelixArgError(f"--{name.replace('_', '-')} needs --dhelix")
         if (getattr(args, "dhelix_mlp_chunks", 1) or 1) != 1:
             raise DHelixArgError("--dhelix-mlp-chunks needs --dhelix")
+        if getattr(args, "dhelix_keep_gathered", False):
+            raise DHelixArgError("--dhelix-keep-gathered needs --dhelix")
         return
     for name, what in (("dhelix_plan", "plan"), ("dhelix_overlap_table", "overlap table"),
                        ("dhelix_cluster", "cluster file")):
@@ -126,6 +135,7 @@ def check_dhelix_args(args) -> None:
             raise DHelixArgError(f"--dhelix-halves splits the micro-batch of B(N) "
                                  f"in 2: --micro-batch-size must be even (got {mbs})")
     _check_mlp_chunks(args)
+    _check_keep_gathered(args)
     if pp > 1 and not fold:
         raise DHelixArgError("--dhelix with --pipeline-model-parallel-size > 1 runs the "
                              "U-folded pipeline: add --dhelix-fold")
@@ -160,6 +170,28 @@ def _check_mlp_chunks(args) -> None:
         raise DHelixArgError(f"--dhelix-mlp-chunks {c} splits each rank's {seq // tp} "
                              f"sequence rows (--seq-length {seq} / TP {tp}) in equal parts: "
                              f"choose a chunk count that divides {seq // tp}")
+
+
+def _check_keep_gathered(args) -> None:
+    """--dhelix-keep-gathered: the gathers of sequence parallel, on the layouts checked
+    against megatron (dense TP+SP, with or without MLP chunks and halves)."""
+    if not getattr(args, "dhelix_keep_gathered", False):
+        return
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    bad = [flag for flag, yes in (
+        ("--tensor-model-parallel-size 1", tp == 1),
+        ("no --sequence-parallel", not getattr(args, "sequence_parallel", False)),
+        # not checked against megatron yet: refused rather than untested
+        ("--num-experts", bool(getattr(args, "num_experts", None))),
+        (f"--context-parallel-size {cp}", cp > 1),
+        ("--dhelix-fold", bool(getattr(args, "dhelix_fold", False))),
+        ("--recompute-granularity", bool(getattr(args, "recompute_granularity", None))))
+        if yes]
+    if bad:
+        raise DHelixArgError(f"--dhelix-keep-gathered keeps the all-gathered inputs of "
+                             f"sequence parallel for the weight gradients; not with "
+                             f"{', '.join(bad)} (drop --dhelix-keep-gathered)")
 
 
 def _check_recompute(args) -> None:

@@ -11,6 +11,13 @@ after its `after` op (its dgrad), a re-gather (`after` None: its input was saved
 forward) to any point before its `reader`, the wgrad. A plan may run β in such an order
 (`Plan.backward`, chosen by the planner: `dp.plan(reorder=True)`), so a re-gather can
 fill the link while the strands compute.
+
+With `keep_gathered` the forward's gathered input of each column-parallel linear is kept
+for its wgrad and the backward re-gathers it not (no `ag_attn_w`, `ag_mlp_w`): one
+collective of five fewer per linear pair, for a gathered tensor (s·b·h) held per layer
+and micro-batch from the forward to the wgrad instead of the 1/TP shard — a
+memory-for-comm trade megatron does not make. The MLP's input is kept only where its
+forward gathers it in one piece (not chunked, not MoE).
 """
 from __future__ import annotations
 
@@ -23,15 +30,19 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
                  ep_lane: str = "intra",
                  shared_experts: bool = False, cp: int = 1,
                  cp_lane: str = "intra",
-                 mlp_chunks: int = 1) -> Tuple[List[OpSpec], List[OpSpec]]:
+                 mlp_chunks: int = 1,
+                 keep_gathered: bool = False) -> Tuple[List[OpSpec], List[OpSpec]]:
     """(forward, backward) OpSpecs of a layer with TP `tp` (sequence parallel `sp`); TP
     collectives run on `lane` (intra or inter, by the TP group's node membership). With
     `moe` the MLP is megatron's MoE block with the all-to-all dispatcher (experts not
     TP-split: expert-tensor-parallel 1), its all-to-alls on `ep_lane`. With context
     parallel `cp` > 1 the attention core is a ring (`ring_chains`) on `cp_lane`. With
-    `mlp_chunks` > 1 the dense MLP's forward runs in that many token chunks (module doc)."""
+    `mlp_chunks` > 1 the dense MLP's forward runs in that many token chunks; with
+    `keep_gathered` the backward re-gathers nothing the forward gathered (module doc)."""
     sp = sp and tp > 1
     check_mlp_chunks(mlp_chunks, sp, moe)
+    check_keep_gathered(keep_gathered, sp)
+    kept = kept_gathers(keep_gathered, sp, moe, mlp_chunks)
 
     def C(name, **kw):
         return OpSpec(name, COMPUTE, "compute", **kw)
@@ -63,7 +74,7 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
 
     def column_backward(part, lin):
         ops = []
-        if sp:
+        if sp and part not in kept:
             # the re-gather reads the norm's output the forward saved: it may be issued
             # anywhere in the node before its reader, the wgrad (module doc)
             ops.append(M(f"ag_{part}_w", "all_gather", wgrad=True, reader=f"{lin}_wgrad"))
@@ -93,6 +104,21 @@ def check_mlp_chunks(mlp_chunks, sp: bool, moe: bool) -> None:
         raise ValueError(f"MLP chunks ({mlp_chunks}) pipeline a dense MLP's sequence-parallel "
                          f"all-gather and reduce-scatter: they need TP > 1 with sequence "
                          f"parallel and no MoE (use 1 chunk otherwise)")
+
+
+def check_keep_gathered(keep_gathered, sp: bool) -> None:
+    """Keeping the gathered inputs needs the gathers of sequence parallel."""
+    if keep_gathered and not sp:
+        raise ValueError("keeping the gathered inputs (--dhelix-keep-gathered) needs TP > 1 "
+                         "with sequence parallel: without it the forward gathers nothing "
+                         "(drop the flag, or add --sequence-parallel)")
+
+
+def kept_gathers(keep_gathered: bool, sp: bool, moe: bool, mlp_chunks: int) -> Tuple[str, ...]:
+    """The parts ("attn", "mlp") whose forward-gathered input the backward keeps."""
+    if not (keep_gathered and sp):
+        return ()
+    return ("attn",) if moe or mlp_chunks > 1 else ("attn", "mlp")
 
 
 def chunk_of(name: str) -> Tuple[str, int]:

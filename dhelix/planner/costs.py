@@ -203,7 +203,7 @@ class CostTable:
               force: bool = False) -> None:
         """Raise TableError if the table is for another layer (unless ``force``) or lacks
         entries for ``layer``."""
-        if self.signature != layer.signature() and not force:
+        if self.signature not in layer.tables_for() and not force:
             prov = ", ".join(f"{k}={v}" for k, v in sorted(self.provenance.items())
                              if not isinstance(v, (dict, list)))
             raise TableError(

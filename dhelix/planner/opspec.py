@@ -55,11 +55,24 @@ class LayerOps:
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
+    def tables_for(self) -> tuple:
+        """The layer signatures whose overlap tables serve this layer: its own, and for a
+        layer that keeps its gathered inputs (`chains.kept_gathers`) the same layer's
+        without (its ops are a subset of that one's, each the same work)."""
+        return (self.signature(),) + tuple(s for s in [getattr(self, "table_signature", None)]
+                                           if s)
+
     def to_json(self) -> dict:
-        return {"forward": [o.to_json() for o in self.forward],
-                "backward": [o.to_json() for o in self.backward]}
+        d = {"forward": [o.to_json() for o in self.forward],
+             "backward": [o.to_json() for o in self.backward]}
+        if getattr(self, "table_signature", None):
+            d["table_signature"] = self.table_signature
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "LayerOps":
-        return LayerOps([OpSpec.from_json(o) for o in d["forward"]],
-                        [OpSpec.from_json(o) for o in d["backward"]])
+        lo = LayerOps([OpSpec.from_json(o) for o in d["forward"]],
+                      [OpSpec.from_json(o) for o in d["backward"]])
+        if d.get("table_signature"):
+            lo.table_signature = str(d["table_signature"])
+        return lo

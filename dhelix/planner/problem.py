@@ -64,7 +64,8 @@ def make_shape(config: Optional[str], tp: Optional[int] = None, sp: Optional[boo
                seq: Optional[int] = None, mbs: Optional[int] = None,
                bf16: Optional[bool] = None, lane: Optional[str] = None,
                ep: Optional[int] = None, cp: Optional[int] = None,
-               mlp_chunks: Optional[int] = None) -> dict:
+               mlp_chunks: Optional[int] = None,
+               keep_gathered: Optional[bool] = None) -> dict:
     """A checked shape dict; None means the default (TP 1, `dhelix train`'s sequence
     length and micro-batch size, fp32, lane intra, no EP or CP)."""
     if config is None:
@@ -97,6 +98,12 @@ def make_shape(config: Optional[str], tp: Optional[int] = None, sp: Optional[boo
         raise InputError(f"--dhelix-mlp-chunks must be a positive integer, got {mlp_chunks}")
     if mlp_chunks > 1:
         shape["mlp_chunks"] = mlp_chunks
+    if keep_gathered:
+        if not shape["sp"]:
+            raise InputError("--dhelix-keep-gathered keeps the all-gathered inputs of sequence "
+                             "parallel: it needs --tensor-model-parallel-size > 1 with "
+                             "--sequence-parallel")
+        shape["keep_gathered"] = True
     return shape
 
 
@@ -151,7 +158,8 @@ def layer_for_shape(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE):
                                    ep_lane=ep_lane(shape, gpus_per_node),
                                    cp=shape.get("cp", 1),
                                    cp_lane=cp_lane(shape, gpus_per_node),
-                                   mlp_chunks=shape.get("mlp_chunks", 1))
+                                   mlp_chunks=shape.get("mlp_chunks", 1),
+                                   keep_gathered=bool(shape.get("keep_gathered")))
     except (ValueError, AssertionError) as e:  # megatron's TransformerConfig checks
         cp = f", CP={shape['cp']}" if shape.get("cp", 1) > 1 else ""
         raise ConfigError(f"--config {shape['config']} with TP={shape['tp']}{cp}: {e}")
@@ -174,6 +182,8 @@ def shape_str(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
         parts.append(f"EP={shape['ep']} ({ep_lane(shape, gpus_per_node)})")
     if shape.get("mlp_chunks", 1) > 1:
         parts.append(f"MLP in {shape['mlp_chunks']} chunks")
+    if shape.get("keep_gathered"):
+        parts.append("gathered inputs kept")
     parts += [f"seq {shape.get('seq')}", f"mbs {shape.get('mbs')}",
               "bf16" if shape.get("bf16") else "fp32", f"lane {shape.get('lane')}"]
     return ", ".join(parts)

@@ -148,9 +148,23 @@ def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> Laye
         fl, cb, sb = (v / chunks for v in est[base]) if c >= 0 else est[spec.name]
         return replace(spec, flops=float(fl), comm_bytes=float(cb), saved_bytes=float(sb),
                        temp_bytes=float(cb) if cb else 0.0)
-    lo = LayerOps([fill(o) for o in forward], [fill(o) for o in backward])
+    # kept gathers (`chains.kept_gathers`): the gathered input lives from its gather to
+    # its wgrad instead of being gathered again
+    kept = {"ag_attn": "qkv_wgrad", "ag_mlp": "fc1_wgrad"}
+    names = {o.name for o in backward}
+    kept = {ag: wg for ag, wg in kept.items()
+            if wg in names and f"{ag}_w" not in names and any(o.name == ag for o in forward)}
+    full = float(est["ag_attn"][1]) if kept else 0.0
+
+    def keep(spec):
+        if spec.name in kept or spec.name in kept.values():
+            return replace(spec, saved_bytes=spec.saved_bytes + full)
+        return spec
+    lo = LayerOps([keep(fill(o)) for o in forward], [keep(fill(o)) for o in backward])
     lo.shape = {"hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "seq": s, "mbs": b,
                 "tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dt}
+    if kept:
+        lo.shape["keep_gathered"] = True
     if getattr(cfg, "num_experts", None):
         lo.shape.update(experts=cfg.num_experts, topk=cfg.moe_router_topk, ep=ep,
                         routing="balanced expectation")
@@ -195,7 +209,8 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
                         micro_batch_size: int, bf16: bool = False,
                         lane: str = "intra", ep: int = 1,
                         ep_lane: str = "intra", cp: int = 1,
-                        cp_lane: str = "intra", mlp_chunks: int = 1) -> LayerOps:
+                        cp_lane: str = "intra", mlp_chunks: int = 1,
+                        keep_gathered: bool = False) -> LayerOps:
     """The same LayerOps a live DHelix layer of this shape reports, without building it
     or any process group: for planning and simulating models and clusters you do not
     have (`dhelix plan --config llama-8b --cluster h100`). `seq_length` is the global
@@ -229,9 +244,15 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
     check_mlp_chunk_rows(seq_length // cp // tp if sp else seq_length // cp, mlp_chunks)
     fwd, bwd = layer_chains(tp, sp, lane, moe=moe, ep_lane=ep_lane,
                             shared_experts=bool(model_cfg.moe_shared_expert_intermediate_size),
-                            cp=cp, cp_lane=cp_lane, mlp_chunks=mlp_chunks)
-    return estimate_layer_ops(fwd, bwd, LayerShape.of_model(model_cfg, bf16), tp, sp,
-                              seq_length, micro_batch_size, ep, cp=cp)
+                            cp=cp, cp_lane=cp_lane, mlp_chunks=mlp_chunks,
+                            keep_gathered=keep_gathered)
+    lo = estimate_layer_ops(fwd, bwd, LayerShape.of_model(model_cfg, bf16), tp, sp,
+                            seq_length, micro_batch_size, ep, cp=cp)
+    if keep_gathered:
+        lo.table_signature = layer_ops_for_shape(
+            model_cfg, tp, sequence_parallel, seq_length, micro_batch_size, bf16, lane, ep,
+            ep_lane, cp, cp_lane, mlp_chunks).signature()
+    return lo
 
 
 def check_mlp_chunk_rows(rows: int, mlp_chunks: int) -> None:

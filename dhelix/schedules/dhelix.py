@@ -54,10 +54,12 @@ class DHelixSchedule:
         chunks = chunks if isinstance(chunks, list) else [chunks]
         self.lanes = make_lanes(next(chunks[0].parameters()).device)
         use_ddp_grad_hooks(chunks)     # weight gradients straight to megatron DDP's hook
-        # the layers' op chains (`--dhelix-mlp-chunks`), read when a program is built
+        # the layers' op chains (`--dhelix-mlp-chunks`, `--dhelix-keep-gathered`), read
+        # when a program is built
         for c in chunks:
             for layer in [m for m in c.modules() if isinstance(m, DHelixLayer)]:
                 layer.dhelix_mlp_chunks = int(self.options.get("mlp_chunks") or 1)
+                layer.dhelix_keep_gathered = bool(self.options.get("keep_gathered"))
 
     def check(self, chunks, seq_length, micro_batch_size):
         """Validate the plan against every DHelix layer now, before the first step."""

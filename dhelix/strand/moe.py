@@ -92,9 +92,10 @@ class MoEProgram(LayerProgram):
         self.b_fc2 = None                     # the MoE block returns no bias
         self.router_params = [p for p in moe.router.parameters() if p.requires_grad]
 
-    def _chains(self):
+    def _chains(self, keep: bool = True):
         return layer_chains(self.tp, self.sp, self.lane, moe=True, ep_lane=self.ep_lane,
-                            shared_experts=self.shared, mlp_chunks=self.chunks)
+                            shared_experts=self.shared, mlp_chunks=self.chunks,
+                            keep_gathered=self.keep_gathered and keep)
 
     def _mlp_fns(self) -> Dict[str, Callable]:
         return {

@@ -9,7 +9,9 @@ TP collectives are explicit comm ops on the lanes, never inside a linear.
 
 With sequence parallel the column-parallel linears keep only their local input for the
 weight gradient and gather it again in backward (`ag_*_w`), as megatron does, so
-DHelix saves no more activations than megatron.
+DHelix saves no more activations than megatron. With `--dhelix-keep-gathered` they keep
+the forward's gathered input instead and the backward gathers nothing again
+(`planner.chains`): the same values, one collective fewer per linear, more memory.
 
 A chunked MLP (`mlp_chunks` C > 1, `planner.chains`) gathers each rank's shard in C row
 chunks; chunk c of the gathered tensor holds every rank's c-th part, rank by rank. The
@@ -146,7 +148,12 @@ class LayerProgram:
         # chunks of the MLP's forward (`planner.chains`), set on the layer by the schedule
         # (`--dhelix-mlp-chunks`) or the profiler before its program is built
         self.chunks = int(getattr(layer, "dhelix_mlp_chunks", 1) or 1)
+        # the forward's gathered inputs kept for the wgrads (`--dhelix-keep-gathered`)
+        self.keep_gathered = bool(getattr(layer, "dhelix_keep_gathered", False))
         self.recompute = recompute_of(layer)     # None | "full" | "selective"
+        if self.recompute and self.keep_gathered:
+            raise ValueError(f"activation recompute ({self.recompute}) saves memory that "
+                             f"--dhelix-keep-gathered spends: use one of the two")
         if self.recompute and (self.ring is not None or type(self) is not LayerProgram):
             raise ValueError(f"activation recompute ({self.recompute}) of a DHelix layer with "
                              f"context parallel or MoE is not built: drop the recompute "
@@ -170,6 +177,10 @@ class LayerProgram:
     def _build(self):
         """Bind a function to every op of the planner's chains (one source for both)."""
         fwd, bwd = self._chains()
+        # the parts whose gathered input the backward keeps: no re-gather in its chain
+        names = {o.name for o in fwd} | {o.name for o in bwd}
+        self.kept = {p for p in ("attn", "mlp")
+                     if self.keep_gathered and f"ag_{p}" in names and f"ag_{p}_w" not in names}
         fns = {
             "ln_attn": self._ln_attn, "qkv": self._qkv, "attn": self._attn, "proj": self._proj,
             "bda_attn": self._bda_attn, "ln_mlp": self._ln_mlp, "fc1": self._fc1,
@@ -203,10 +214,11 @@ class LayerProgram:
             fns.update(self.ring.fns())
         return [Op(o, fns[o.name]) for o in fwd], [Op(o, fns[o.name]) for o in bwd]
 
-    def _chains(self):
+    def _chains(self, keep: bool = True):
+        """(forward, backward) OpSpecs; `keep=False`: without the kept gathers."""
         return layer_chains(self.tp, self.sp, self.lane, cp=self.cp,
                             cp_lane=self.ring.ring.lane if self.ring else "intra",
-                            mlp_chunks=self.chunks)
+                            mlp_chunks=self.chunks, keep_gathered=self.keep_gathered and keep)
 
     def _mlp_fns(self) -> Dict[str, Callable]:
         """Ops of the MLP part beyond the shared ones (none for the dense layer)."""
@@ -279,6 +291,9 @@ class LayerProgram:
         if self.b_qkv is not None:
             out = out + self.b_qkv
         S.put("qkv", out)
+        if "attn" in self.kept:          # for qkv_wgrad, instead of gathering it again
+            S.put("ln1_w", x)
+            S.drop("ln1")
         S.drop("ln1_full")
 
     def _attn_core(self, qkv):
@@ -334,8 +349,11 @@ class LayerProgram:
         S.put("ln2", self._local(S, "h1", "g:ln2", self.layer.pre_mlp_layernorm))
 
     def _fc1(self, S):
-        S.put("fc1_out", torch.matmul(S.get("ln2_full" if self.sp else "ln2"),
-                                      self.w_fc1.t()))
+        x = S.get("ln2_full" if self.sp else "ln2")
+        S.put("fc1_out", torch.matmul(x, self.w_fc1.t()))
+        if "mlp" in self.kept:           # for fc1_wgrad, instead of gathering it again
+            S.put("ln2_w", x)
+            S.drop("ln2")
         S.drop("ln2_full")
 
     def _activation(self, x):
@@ -469,8 +487,13 @@ class LayerProgram:
         signature ties plans and tables to the shape, dtype and parallel sizes."""
         from dhelix.planner.shapes import check_mlp_chunk_rows
         check_mlp_chunk_rows(seq_length // self.cp // (self.tp if self.sp else 1), self.chunks)
-        return estimate_layer_ops([o.spec for o in self.forward_ops],
-                                  [o.spec for o in self.backward_ops], LayerShape.of(self.cfg),
-                                  self.tp, self.sp, seq_length, micro_batch_size,
-                                  getattr(self, "ep", 1), cp=self.cp)
+
+        def estimate(fwd, bwd):
+            return estimate_layer_ops(fwd, bwd, LayerShape.of(self.cfg), self.tp, self.sp,
+                                      seq_length, micro_batch_size, getattr(self, "ep", 1),
+                                      cp=self.cp)
+        lo = estimate([o.spec for o in self.forward_ops], [o.spec for o in self.backward_ops])
+        if self.kept:        # its table is the one of the layer that gathers again
+            lo.table_signature = estimate(*self._chains(keep=False)).signature()
+        return lo
 

@@ -291,9 +291,11 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
         check_load(cfg, m)
     if cfg.compute != "none":
         from dhelix.train import emulate
-        if (cfg.dhelix.get("mlp_chunks") or 1) > 1:
-            raise ConfigError("--compute paced:... waits out each op of the emulated layer; "
-                              "its chains have no MLP chunks: drop --dhelix-mlp-chunks")
+        for flag, on in (("--dhelix-mlp-chunks", (cfg.dhelix.get("mlp_chunks") or 1) > 1),
+                         ("--dhelix-keep-gathered", bool(cfg.dhelix.get("keep_gathered")))):
+            if on:
+                raise ConfigError(f"--compute paced:... waits out each op of the emulated "
+                                  f"layer, whose chains are the plain ones: drop {flag}")
         emu = emulate.parse(cfg.compute, cfg.emulate)
         emulate._cluster(emu.cluster)
         load_model_config(emu.model)
@@ -311,6 +313,7 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
         from dhelix.planner.shapes import layer_ops_for_shape
         ops = layer_ops_for_shape(m, layout.tp, cfg.sequence_parallel, cfg.seq_length,
                                   cfg.micro_batch_size, bf16=cfg.bf16, cp=layout.cp,
-                                  mlp_chunks=dh.get("mlp_chunks") or 1)
+                                  mlp_chunks=dh.get("mlp_chunks") or 1,
+                                  keep_gathered=bool(dh.get("keep_gathered")))
         validate(Plan.load(plan), ops, plan)
     return warnings
