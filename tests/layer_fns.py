@@ -276,3 +276,27 @@ def comm_lanes():
     _, dh, _, _ = setup_layer("tiny", 2, True)
     return sorted({o.spec.lane for o in dh.program.forward_ops + dh.program.backward_ops
                    if o.spec.kind == "comm"})
+
+
+def kept_after_forward(config="tiny", keep_gathered=False, seq=16, mbs=2, seed=5):
+    """What a layer's forward leaves for its backward (saved-tensor accounting, bytes),
+    with or without `keep_gathered`, and the planner's estimate of the same (the sum of
+    the forward ops' `saved_bytes`)."""
+    from dhelix.base.memory import METER
+    from dhelix.planner.plan import trivial_plan
+    from dhelix.strand.executor import run_layer_step
+    from dhelix.strand.lanes import make_lanes
+    from dhelix.strand.state import StrandState
+
+    _, dh, cfg, rope = setup_layer(config, 2, True, seed, seq, mbs, keep_gathered=keep_gathered)
+    prog = dh.program
+    ops = prog.layer_ops(seq, mbs)
+    S = StrandState(make_lanes(), "β")
+    S.meta = {"attention_mask": None, "rotary_pos_emb": rope}
+    x = inputs(cfg, seq, mbs, seed + 1, True)
+    start = METER.current
+    S.put("x", x)
+    run_layer_step(trivial_plan(ops), fwd=(prog, S))
+    return {"measured": METER.current - start,
+            "estimated": sum(o.saved_bytes for o in ops.forward),
+            "full": seq * mbs * cfg.hidden_size * x.element_size()}

@@ -57,6 +57,18 @@ def test_kept_gathers_match_megatron(config, chunks):
         assert res["reordered"] >= 5
 
 
+def test_kept_gathers_cost_what_the_planner_says():
+    """Keeping the gathered inputs holds, after a layer's forward, (TP−1)/TP of a gathered
+    input more per kept linear (the norm's output becomes the kept tensor's own rows):
+    measured (saved-tensor accounting) and in the planner's estimate alike."""
+    for config in ("tiny", "tiny-llama"):
+        plain, keep = (run_ranks(layer_fns.kept_after_forward, 2, timeout=200, config=config,
+                                 keep_gathered=k)[0] for k in (False, True))
+        extra = 2 * keep["full"] // 2                 # two linears, TP=2
+        assert keep["measured"] - plain["measured"] == extra, (config, plain, keep)
+        assert keep["estimated"] - plain["estimated"] == extra, (config, plain, keep)
+
+
 def test_tp1_matches_megatron():
     res = run_ranks(layer_fns.check_plans, 1, timeout=200, config="tiny-llama", tp=1,
                     sp=False, nplans=RANDOM_PLANS_TP1)[0]

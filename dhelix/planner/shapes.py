@@ -149,12 +149,13 @@ def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> Laye
         return replace(spec, flops=float(fl), comm_bytes=float(cb), saved_bytes=float(sb),
                        temp_bytes=float(cb) if cb else 0.0)
     # kept gathers (`chains.kept_gathers`): the gathered input lives from its gather to
-    # its wgrad instead of being gathered again
+    # its wgrad instead of being gathered again; this rank's rows of it are the norm's
+    # output, whose own storage is then freed (`LayerProgram._keep_gathered`)
     kept = {"ag_attn": "qkv_wgrad", "ag_mlp": "fc1_wgrad"}
     names = {o.name for o in backward}
     kept = {ag: wg for ag, wg in kept.items()
             if wg in names and f"{ag}_w" not in names and any(o.name == ag for o in forward)}
-    full = float(est["ag_attn"][1]) if kept else 0.0
+    full = float(est["ag_attn"][1]) * (1.0 - 1.0 / tp) if kept else 0.0
 
     def keep(spec):
         if spec.name in kept or spec.name in kept.values():

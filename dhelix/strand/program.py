@@ -130,6 +130,7 @@ class LayerProgram:
         self.cfg = cfg
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tp = parallel_state.get_tensor_model_parallel_world_size()
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.sp = bool(cfg.sequence_parallel) and self.tp > 1
         self.lane = lane_of_group(self.group) if self.tp > 1 else "intra"
         attn = layer.self_attention
@@ -292,8 +293,7 @@ class LayerProgram:
             out = out + self.b_qkv
         S.put("qkv", out)
         if "attn" in self.kept:          # for qkv_wgrad, instead of gathering it again
-            S.put("ln1_w", x)
-            S.drop("ln1")
+            self._keep_gathered(S, x, "ln1", "g:ln1", "ln1_w")
         S.drop("ln1_full")
 
     def _attn_core(self, qkv):
@@ -345,6 +345,25 @@ class LayerProgram:
         S.put("h1", self._bda(S, "attn_out", "x", self.b_proj, self.layer.self_attn_bda,
                               "g:bda1"))
 
+    def _keep_gathered(self, S, full, key_local, key_graph, key_kept):
+        """Keep the gathered `full` for the wgrad. Its rows of this rank are the norm's
+        output bit for bit (the all-gather copied them), so the norm's output in its local
+        graph becomes a view of them and its own storage is freed: the kept tensor costs
+        (TP−1)/TP of a gathered input, not a whole one. The graph's backward does not
+        read the output's values (a norm saves its input and statistics)."""
+        S.put(key_kept, full)
+        local = S.get(key_local)
+        _, y = S.get(key_graph)
+        m = y.shape[0]
+        mine = full[self.tp_rank * m:(self.tp_rank + 1) * m]
+        if mine.shape != y.shape:
+            raise RuntimeError(f"{key_kept}: gathered rows {tuple(mine.shape)} are not the "
+                               f"norm's output {tuple(y.shape)}")
+        from dhelix.base.memory import METER
+        METER.forget(local)           # its storage goes with the last of these references
+        y.data = mine
+        S.drop(key_local)
+
     def _ln_mlp(self, S):
         S.put("ln2", self._local(S, "h1", "g:ln2", self.layer.pre_mlp_layernorm))
 
@@ -352,8 +371,7 @@ class LayerProgram:
         x = S.get("ln2_full" if self.sp else "ln2")
         S.put("fc1_out", torch.matmul(x, self.w_fc1.t()))
         if "mlp" in self.kept:           # for fc1_wgrad, instead of gathering it again
-            S.put("ln2_w", x)
-            S.drop("ln2")
+            self._keep_gathered(S, x, "ln2", "g:ln2", "ln2_w")
         S.drop("ln2_full")
 
     def _activation(self, x):
