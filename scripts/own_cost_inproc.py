@@ -15,6 +15,8 @@ the seconds a step waited for the modelled end, for a free slot and for a late p
     torchrun --nproc-per-node 1 scripts/own_cost_inproc.py --link none
     torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1gbit \
         --table table.json --ab clock --pairs 10
+    torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1gbit \
+        --table table.json --keep-gathered --pairs 8
 """
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def main():
     p.add_argument("--plan", default="trivial")
     p.add_argument("--table", default=None,
                    help="plan from this overlap table instead of --plan (as the bench does)")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="a third model: DHelix planned the same way with "
+                        "--dhelix-keep-gathered (no backward re-gathers)")
     p.add_argument("--ab", choices=AB, default=None,
                    help="run each model also with this paced-link setting off: clock "
                         "(links/clock.py's fine waits; off: plain sleeps), eager "
@@ -65,6 +70,9 @@ def main():
                               else ["--dhelix-plan", a.plan])
     cfgs = {"megatron": train_config_from_args(parser.parse_args(argv)),
             "dhelix": train_config_from_args(parser.parse_args(argv + planned))}
+    if a.keep_gathered:
+        cfgs["dhelix-keep"] = train_config_from_args(
+            parser.parse_args(argv + planned + ["--dhelix-keep-gathered"]))
     cfg = cfgs["megatron"]
     m = model_of(cfg)
     info = init_distributed()
@@ -117,18 +125,19 @@ def main():
             if i:
                 waited[v] = [x + y - z for x, y, z in zip(waited[v], waits(), w0)]
         if info.rank == 0:
-            for setting in settings:
-                mg, dh = times[("megatron", setting)][-1], times[("dhelix", setting)][-1]
+            for setting, name in [(s, n) for s in settings for n in runs if n != "megatron"]:
+                mg, dh = times[("megatron", setting)][-1], times[(name, setting)][-1]
                 print(f"pair {i}{' (warm-up)' if i == 0 else ''} {setting}: megatron "
-                      f"{mg * 1e3:7.0f} ms  DHelix {dh * 1e3:7.0f} ms  {mg / dh:.3f}x",
+                      f"{mg * 1e3:7.0f} ms  {name} {dh * 1e3:7.0f} ms  {mg / dh:.3f}x",
                       flush=True)
     if info.rank == 0:
-        for setting in settings:
-            mg, dh = times[("megatron", setting)][1:], times[("dhelix", setting)][1:]
+        for setting, name in [(s, n) for s in settings for n in runs if n != "megatron"]:
+            mg, dh = times[("megatron", setting)][1:], times[(name, setting)][1:]
             ratios = [x / y for x, y in zip(mg, dh)]
-            print(f"{a.link} {setting}: median of {a.pairs} pairs {statistics.median(ratios):.3f}x "
-                  f"(range {min(ratios):.3f}-{max(ratios):.3f}); median step megatron "
-                  f"{statistics.median(mg) * 1e3:.0f} ms, DHelix "
+            print(f"{a.link} {setting} {name}: median of {a.pairs} pairs "
+                  f"{statistics.median(ratios):.3f}x (range {min(ratios):.3f}-"
+                  f"{max(ratios):.3f}); median step megatron "
+                  f"{statistics.median(mg) * 1e3:.0f} ms, {name} "
                   f"{statistics.median(dh) * 1e3:.0f} ms", flush=True)
     if link is not None:
         for v in variants:       # every rank: a late peer shows on the other rank
