@@ -50,6 +50,10 @@ def main():
     p.add_argument("--num-microbatches", type=int, default=8)
     p.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0,1.2,1.5,2.0",
                    help="comm time factors (1.0: the table as profiled)")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="plan the layer that keeps its gathered inputs (no backward "
+                        "re-gathers, `--dhelix-keep-gathered`); megatron's step stays the "
+                        "plain layer's")
     p.add_argument("--png", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -63,6 +67,7 @@ def main():
              "mlp_chunks": 1}
     layer = layer_for_shape(shape)
     costs, _ = load_costs(layer, shape, a.table, None, False)
+    planned = layer_for_shape(dict(shape, keep_gathered=True)) if a.keep_gathered else layer
     if costs.step_extras is None:
         raise SystemExit(f"{a.table}: no step_extras (profile it with `dhelix profile`)")
     L, N = load_model_config(a.config).num_layers, a.num_microbatches
@@ -76,8 +81,8 @@ def main():
         comm = sum(getattr(c, alone)[o.name]
                    for ops, alone, _ in strands for o in ops if o.lane != "compute")
         mg = simulate_megatron_step(layer, c, L, N, c.step_extras).total_s
-        plan = dp.plan(layer, c, rotate=True, reorder=True, num_layers=L)
-        dh = simulate_step(layer, plan, c, L, N, c.step_extras).total_s
+        plan = dp.plan(planned, c, rotate=True, reorder=True, num_layers=L)
+        dh = simulate_step(planned, plan, c, L, N, c.step_extras).total_s
         rest = c.step_extras.per_microbatch() * N + c.step_extras.per_step()
         bound = mg / (rest + L * N * max(comp, comm))
         rows.append({"scale": k, "comm_compute": comm / comp, "megatron_s": mg,
