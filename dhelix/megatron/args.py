@@ -143,6 +143,20 @@ def check_dhelix_args(args) -> None:
     _check_recompute(args)
 
 
+def _not_dense_tp_sp(args) -> list:
+    """The flags that take a run off the dense TP+SP layer a chain variant (MLP chunks,
+    kept gathers) is checked against megatron on; empty if none."""
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    return [flag for flag, yes in (
+        ("--tensor-model-parallel-size 1", tp == 1),
+        ("no --sequence-parallel", not getattr(args, "sequence_parallel", False)),
+        ("--num-experts", bool(getattr(args, "num_experts", None))),
+        # not checked against megatron yet: refused rather than untested
+        (f"--context-parallel-size {cp}", cp > 1),
+        ("--dhelix-fold", bool(getattr(args, "dhelix_fold", False)))) if yes]
+
+
 def _check_mlp_chunks(args) -> None:
     """--dhelix-mlp-chunks C: a dense MLP with sequence parallel, whose every rank's
     sequence shard splits into C equal parts."""
@@ -153,14 +167,7 @@ def _check_mlp_chunks(args) -> None:
     if c == 1:
         return
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    bad = [flag for flag, yes in (
-        ("--tensor-model-parallel-size 1", tp == 1),
-        ("no --sequence-parallel", not getattr(args, "sequence_parallel", False)),
-        ("--num-experts", bool(getattr(args, "num_experts", None))),
-        # not checked against megatron yet: refused rather than untested
-        (f"--context-parallel-size {cp}", cp > 1),
-        ("--dhelix-fold", bool(getattr(args, "dhelix_fold", False)))) if yes]
+    bad = _not_dense_tp_sp(args)
     if bad:
         raise DHelixArgError(f"--dhelix-mlp-chunks {c} pipelines a dense MLP's sequence-"
                              f"parallel all-gather and reduce-scatter; not with "
@@ -177,17 +184,9 @@ def _check_keep_gathered(args) -> None:
     against megatron (dense TP+SP, with or without MLP chunks and halves)."""
     if not getattr(args, "dhelix_keep_gathered", False):
         return
-    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-    cp = getattr(args, "context_parallel_size", 1) or 1
-    bad = [flag for flag, yes in (
-        ("--tensor-model-parallel-size 1", tp == 1),
-        ("no --sequence-parallel", not getattr(args, "sequence_parallel", False)),
-        # not checked against megatron yet: refused rather than untested
-        ("--num-experts", bool(getattr(args, "num_experts", None))),
-        (f"--context-parallel-size {cp}", cp > 1),
-        ("--dhelix-fold", bool(getattr(args, "dhelix_fold", False))),
-        ("--recompute-granularity", bool(getattr(args, "recompute_granularity", None))))
-        if yes]
+    bad = _not_dense_tp_sp(args)
+    if getattr(args, "recompute_granularity", None):    # it spends what recompute saves
+        bad.append("--recompute-granularity")
     if bad:
         raise DHelixArgError(f"--dhelix-keep-gathered keeps the all-gathered inputs of "
                              f"sequence parallel for the weight gradients; not with "
