@@ -17,6 +17,13 @@ the seconds a step waited for the modelled end, for a free slot and for a late p
         --table table.json --ab clock --pairs 10
     torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1gbit \
         --table table.json --keep-gathered --pairs 8
+    torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1gbit \
+        --table table.json --halves --phases --pairs 6
+
+`--halves` adds a model planned the same way with `--dhelix-halves` (B(N)'s micro-batch
+as two batch halves round-robin); `--phases` prints, per DHelix model, the median time of
+F(1), of one co-step F(k+1) ∥ B(k) and of B(N) (rank 0's host clock around each
+`co_step` of `schedules/dhelix.py`), to say which phase a variant makes faster.
 """
 from __future__ import annotations
 
@@ -42,6 +49,10 @@ def main():
     p.add_argument("--keep-gathered", action="store_true",
                    help="a third model: DHelix planned the same way with "
                         "--dhelix-keep-gathered (no backward re-gathers)")
+    p.add_argument("--halves", action="store_true",
+                   help="a model: DHelix planned the same way with --dhelix-halves")
+    p.add_argument("--phases", action="store_true",
+                   help="time each DHelix model's F(1), co-steps and B(N)")
     p.add_argument("--ab", choices=AB, default=None,
                    help="run each model also with this paced-link setting off: clock "
                         "(links/clock.py's fine waits; off: plain sleeps), eager "
@@ -73,6 +84,9 @@ def main():
     if a.keep_gathered:
         cfgs["dhelix-keep"] = train_config_from_args(
             parser.parse_args(argv + planned + ["--dhelix-keep-gathered"]))
+    if a.halves:
+        cfgs["dhelix-halves"] = train_config_from_args(
+            parser.parse_args(argv + planned + ["--dhelix-halves"]))
     cfg = cfgs["megatron"]
     m = model_of(cfg)
     info = init_distributed()
@@ -105,6 +119,9 @@ def main():
         return (0.0, 0.0, 0.0) if link is None else \
             (link.waited_s, PEER_WAIT["slot_s"], link.late_s)
     waited = {v: [0.0, 0.0, 0.0] for v in variants}
+    phases = {v: [] for v in variants}      # per counted step: [F(1), co-steps..., B(N)]
+    if a.phases:
+        _time_co_steps()
     for i in range(a.pairs + 1):         # the first pair warms up, not counted
         for v in (variants if i % 2 == 0 else variants[::-1]):
             name, setting = v
@@ -122,6 +139,9 @@ def main():
                     num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
                     micro_batch_size=cfg.micro_batch_size, forward_only=False)
             times[v].append(time.perf_counter() - t0)
+            if a.phases and i and name != "megatron":
+                phases[v].append(list(CO_STEP_S))
+            CO_STEP_S.clear()
             if i:
                 waited[v] = [x + y - z for x, y, z in zip(waited[v], waits(), w0)]
         if info.rank == 0:
@@ -139,12 +159,37 @@ def main():
                   f"{max(ratios):.3f}); median step megatron "
                   f"{statistics.median(mg) * 1e3:.0f} ms, {name} "
                   f"{statistics.median(dh) * 1e3:.0f} ms", flush=True)
+    if a.phases and info.rank == 0:
+        for v, steps in phases.items():
+            if not steps:
+                continue
+            med = statistics.median
+            f1, bn = med(t[0] for t in steps), med(t[-1] for t in steps)
+            co = med(x for t in steps for x in t[1:-1])
+            print(f"{v[0]} {v[1]} phases (median ms): F(1) {f1 * 1e3:.0f}, co-step "
+                  f"{co * 1e3:.0f} (x{len(steps[0]) - 2}), B(N) {bn * 1e3:.0f}", flush=True)
     if link is not None:
         for v in variants:       # every rank: a late peer shows on the other rank
             print(f"rank {info.rank} {v[0]} {v[1]}: per step, waited for the modelled end "
                   f"{waited[v][0] / a.pairs * 1e3:.0f} ms, for a free slot "
                   f"{waited[v][1] / a.pairs * 1e3:.0f} ms, for a late peer "
                   f"{waited[v][2] / a.pairs * 1e3:.0f} ms", flush=True)
+
+
+CO_STEP_S: list = []     # seconds of each co_step of the step being timed
+
+
+def _time_co_steps():
+    """Time every `co_step` call of DHelix's schedule (F(1), each co-step, B(N))."""
+    from dhelix.schedules import dhelix as sched
+    inner = sched.co_step
+
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        out = inner(*args, **kw)
+        CO_STEP_S.append(time.perf_counter() - t0)
+        return out
+    sched.co_step = timed
 
 
 if __name__ == "__main__":

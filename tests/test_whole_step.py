@@ -201,3 +201,68 @@ def test_simulate_cli_whole_step(tmp_path, capsys):
     assert main(["simulate", plan, "--cluster", "a800", "--num-microbatches", "4"]) == 2
     err = capsys.readouterr().err
     assert "analytical" in err and "dhelix profile" in err
+
+
+def _three_op_layer():
+    """forward: compute fc (1 s), comm fm (1 s); backward: compute c1 (1 s), comm m (2 s)
+    read by compute c2 (1 s); every pair overlaps for free (stretch 1)."""
+    from dhelix.planner.opspec import COMM, COMPUTE, LayerOps, OpSpec
+    layer = LayerOps([OpSpec("fc", COMPUTE, "compute"), OpSpec("fm", COMM, "intra", group="tp")],
+                     [OpSpec("c1", COMPUTE, "compute"), OpSpec("m", COMM, "intra", group="tp"),
+                      OpSpec("c2", COMPUTE, "compute")])
+    t = CostTable.empty(layer)
+    t.alone_f.update(fc=1.0, fm=1.0)
+    t.alone_b.update(c1=1.0, m=2.0, c2=1.0)
+    t.pair.update({("fc", "m"): 2.0, ("fm", "c1"): 1.0, ("fm", "c2"): 1.0})
+    return layer, t
+
+
+def test_halves_price_the_round_robin_of_two_half_chains():
+    """B(N) as two batch halves (`run_tiles`), each op half as long: a:c1 0–0.5; a:m on
+    the link 0.5–1.5 beside b:c1 0.5–1.0; b:m issued at 1.0 waits for the link, 1.5–2.5,
+    while a:c2 reads a:m, 1.5–2.0; b:c2 2.5–3.0. So 3.0 s against 4.0 s whole (c1, m, c2
+    in a row). The forward likewise: 1.5 s against 2.0 s."""
+    from dhelix.planner.tiles import halves_alone, tiles_makespan
+    layer, t = _three_op_layer()
+    assert tiles_makespan(layer, t, "bwd") == pytest.approx(3.0)
+    assert tiles_makespan(layer, t, "fwd") == pytest.approx(1.5)
+    whole = plan_steps_alone(LaneModel(layer, t), trivial_plan(layer))
+    assert whole == pytest.approx((2.0, 4.0))
+    extras = StepExtras(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, num_layers=3)
+    plain = simulate_step(layer, trivial_plan(layer), t, 3, 4, extras)
+    halved = simulate_step(layer, trivial_plan(layer), t, 3, 4, extras,
+                           alone=halves_alone(layer, t))
+    # only B(N) changes: L layers of 3.0 s instead of 4.0 s
+    assert halved.forward_alone_s == plain.forward_alone_s
+    assert halved.co_steps_s == plain.co_steps_s
+    assert halved.backward_alone_s == pytest.approx(3 * 3.0)
+    assert plain.backward_alone_s == pytest.approx(3 * 4.0)
+    assert halved.halves and not plain.halves
+    assert "two halves" in halved.phases()[2][0]
+
+
+def test_halves_never_beat_the_link_or_the_thread():
+    """On random layers and tables, two halves of a chain take at least the chain's whole
+    comm time on each lane and its whole compute time (halving moves no work away)."""
+    from dhelix.planner.tiles import tiles_makespan
+    rng = random.Random(5)
+    for _ in range(40):
+        layer = random_layer(rng)
+        table = random_table(layer, rng)
+        for kind, chain, alone in (("fwd", layer.forward, table.alone_f),
+                                   ("bwd", layer.backward, table.alone_b)):
+            t = tiles_makespan(layer, table, kind)
+            per_lane = {}
+            for o in chain:
+                per_lane[o.lane] = per_lane.get(o.lane, 0.0) + alone[o.name]
+            assert t >= max(per_lane.values()) * (1 - 1e-9)
+
+
+def test_simulate_cli_halves_needs_a_whole_step(tmp_path, capsys):
+    from dhelix.cli import main
+    layer, t = _three_op_layer()
+    plan = tmp_path / "plan.json"
+    trivial_plan(layer).save(str(plan))
+    rc = main(["simulate", str(plan), "--halves"])
+    assert rc == 2
+    assert "--halves" in capsys.readouterr().err

@@ -37,19 +37,22 @@ def layer_prediction(a, cfg, cost_source) -> float:
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
-def planned_step(a, cfg, cost_source, keep=False):
+def planned_step(a, cfg, cost_source, keep=False, halves=False):
     """The whole step the simulator predicts for the planned run on the profiled table
-    `cost_source` (its layer: `layer_costs`, keeping the gathers with `keep`), or None
-    where the table has no extras."""
+    `cost_source` (its layer: `layer_costs`, keeping the gathers with `keep`; B(N) as two
+    batch halves with `halves`, `planner.tiles`), or None where the table has no
+    extras."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
-    from dhelix.planner.whole_step import simulate_step
+    from dhelix.planner.tiles import halves_alone
+    from dhelix.planner.whole_step import plan_steps_alone, simulate_step
     layer, costs = layer_costs(a, cfg, cost_source, keep=keep)
     if costs.step_extras is None:
         return None
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
-    return simulate_step(layer, dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L), costs,
-                         L, N, costs.step_extras)
+    return simulate_step(layer, dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L),
+                         costs, L, N, costs.step_extras,
+                         alone=halves_alone(layer, costs) if halves else plan_steps_alone)
 
 
 def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
@@ -69,7 +72,8 @@ def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
     return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
             "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
-            "dhelix-plan": planned_step(a, cfg, cost_source)}
+            "dhelix-plan": planned_step(a, cfg, cost_source),
+            "dhelix-halves": planned_step(a, cfg, cost_source, halves=True)}
 
 
 def pp_simulate(a, cfg, link, cost_source) -> dict:

@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
                         "predict the whole training step with N micro-batches (needs a "
                         "table `dhelix profile` wrote, with the embedding, loss, optimizer "
                         "and finalize times)")
+    g.add_argument("--halves", action="store_true",
+                   help="with --num-microbatches (PP = 1): B(N) as two batch halves "
+                        "round-robin, as `dhelix train --dhelix-halves` runs it")
     g.add_argument("--num-layers", type=int, default=None, metavar="L",
                    help="layers of the model (default: the config's; without a pipeline: "
                         "the number the table's step extras were measured with)")
@@ -70,6 +73,11 @@ def run(a) -> int:
     from dhelix.planner.plan import Plan, trivial_plan, validate
     from dhelix.planner.simulate import plot_timeline, simulate, to_chrome_trace
     try:
+        if a.halves and ((a.pipeline_model_parallel_size or 1) > 1 or
+                         a.num_microbatches is None):
+            raise InputError("--halves prices B(N) as two batch halves in the whole step "
+                             "without a pipeline: give --num-microbatches N and no "
+                             "--pipeline-model-parallel-size")
         plan = Plan.load(a.plan)
         meta = plan.meta or {}
         table, cluster, force = plan_cost_source(a.plan, meta, a.table, a.cluster,
@@ -135,7 +143,7 @@ def _whole_step(a, layer, plan, costs, src, force):
     if a.num_layers is not None and a.num_layers < 1:
         raise InputError(f"--num-layers {a.num_layers}: give at least 1")
     return predict(layer, plan, costs, a.num_microbatches, a.num_layers,
-                   source=src.get("path", "<table>"), force=force)
+                   source=src.get("path", "<table>"), force=force, halves=a.halves)
 
 
 def _print_whole_step(dh, mg, src, extras) -> None:

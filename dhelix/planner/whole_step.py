@@ -100,6 +100,7 @@ class WholeStep:
     microbatch_extras_s: float     # N × (pre fwd + pre bwd + post fwd + post bwd)
     step_extras_s: float           # optimizer + finalize + zero grad, once
     total_s: float
+    halves: bool = False           # B(N) as two batch halves round-robin
 
     @property
     def layers_s(self) -> float:
@@ -112,7 +113,8 @@ class WholeStep:
             out = [(f"F(1): {L} layers forward alone", self.forward_alone_s),
                    (f"{self.co_steps} co-steps F(k+1) ∥ B(k): {L} layer pairs each",
                     self.co_steps_s),
-                   (f"B({N}): {L} layers backward alone", self.backward_alone_s)]
+                   (f"B({N}): {L} layers backward alone" +
+                    (" (two halves)" if self.halves else ""), self.backward_alone_s)]
         else:
             out = [(f"{self.forwards_alone} forwards: {L} layers each", self.forward_alone_s),
                    (f"{self.backwards_alone} backwards: {L} layers each",
@@ -154,7 +156,9 @@ def simulate_step(layer: LayerOps, plan: Plan, table: CostTable, num_layers: int
                         order=plan.backward) if plan.rotation else model
     p = co_step_layers(rotated, plan, num_layers) / num_layers
     N = num_microbatches
-    return _assemble("dhelix", num_layers, N, 1, 1, N - 1, f, b, p, extras)
+    w = _assemble("dhelix", num_layers, N, 1, 1, N - 1, f, b, p, extras)
+    w.halves = bool(getattr(alone, "halves", False))    # `tiles.halves_alone` says so
+    return w
 
 
 def simulate_megatron_step(layer: LayerOps, table: CostTable, num_layers: int,
@@ -182,12 +186,18 @@ def extras_of(table: CostTable, source: str = "<table>") -> StepExtras:
 
 def predict(layer: LayerOps, plan: Plan, table: CostTable, num_microbatches: int,
             num_layers: Optional[int] = None, source: str = "<table>",
-            force: bool = False) -> Tuple[WholeStep, WholeStep]:
+            force: bool = False, halves: bool = False) -> Tuple[WholeStep, WholeStep]:
     """(DHelix's step with `plan`, megatron's step) from one table with extras; the layer
-    count defaults to the one the extras were measured with."""
+    count defaults to the one the extras were measured with. `halves`: B(N) as two batch
+    halves round-robin (`--dhelix-halves`, priced by `planner.tiles`)."""
     extras = extras_of(table, source)
     L = num_layers or extras.num_layers
-    return (simulate_step(layer, plan, table, L, num_microbatches, extras, force=force),
+    alone = plan_steps_alone
+    if halves:
+        from dhelix.planner.tiles import halves_alone
+        alone = halves_alone(layer, table, force=force)
+    return (simulate_step(layer, plan, table, L, num_microbatches, extras, force=force,
+                          alone=alone),
             simulate_megatron_step(layer, table, L, num_microbatches, extras, force=force))
 
 
