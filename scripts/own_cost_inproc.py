@@ -10,6 +10,8 @@ planned run); `--ab clock` runs each model with the paced link's fine waits and 
 plain sleeps (`dhelix/links/clock.py`), `--ab eager` with its shared-memory reads as soon
 as a collective is posted and at its wait only. On a paced link each rank also prints, per model,
 the seconds a step waited for the modelled end, for a free slot and for a late peer.
+`--ab direct` runs each model with DHelix's lanes calling the paced link directly and
+through torch.distributed (megatron's collectives always go through torch.distributed).
 
     torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1000gbit --pairs 8
     torchrun --nproc-per-node 1 scripts/own_cost_inproc.py --link none
@@ -22,7 +24,7 @@ the seconds a step waited for the modelled end, for a free slot and for a late p
 
 `--halves` adds a model planned the same way with `--dhelix-halves` (B(N)'s micro-batch
 as two batch halves round-robin); `--phases` prints, per DHelix model, the median time of
-F(1), of one co-step F(k+1) ∥ B(k) and of B(N) (rank 0's host clock around each
+F(1), of one co-step F(k+1) ∥ B(k) (k < N−1), of the last co-step and of B(N) (rank 0's host clock around each
 `co_step` of `schedules/dhelix.py`), to say which phase a variant makes faster.
 """
 from __future__ import annotations
@@ -34,7 +36,8 @@ import time
 
 
 # --ab: a paced-link setting -> (module, attribute) switched per run
-AB = {"clock": ("dhelix.links.clock", "FINE"), "eager": ("dhelix.links.shm", "EAGER")}
+AB = {"clock": ("dhelix.links.clock", "FINE"), "eager": ("dhelix.links.shm", "EAGER"),
+      "direct": ("dhelix.links.paced", "DIRECT")}
 
 
 def main():
@@ -57,7 +60,8 @@ def main():
                    help="run each model also with this paced-link setting off: clock "
                         "(links/clock.py's fine waits; off: plain sleeps), eager "
                         "(links/shm.py reads a collective as soon as it is posted; off: "
-                        "at its wait)")
+                        "at its wait), direct (DHelix's lanes call the paced link "
+                        "directly, links/paced.py: direct; off: through torch.distributed)")
     a = p.parse_args()
     os.environ["DHELIX_LINK"] = a.link          # read when the rank joins the group
     import torch
@@ -165,9 +169,11 @@ def main():
                 continue
             med = statistics.median
             f1, bn = med(t[0] for t in steps), med(t[-1] for t in steps)
-            co = med(x for t in steps for x in t[1:-1])
+            co = med(x for t in steps for x in t[1:-2])
+            last = med(t[-2] for t in steps)
             print(f"{v[0]} {v[1]} phases (median ms): F(1) {f1 * 1e3:.0f}, co-step "
-                  f"{co * 1e3:.0f} (x{len(steps[0]) - 2}), B(N) {bn * 1e3:.0f}", flush=True)
+                  f"{co * 1e3:.0f} (x{len(steps[0]) - 3}), last co-step F(N) ∥ B(N-1) "
+                  f"{last * 1e3:.0f}, B(N) {bn * 1e3:.0f}", flush=True)
     if link is not None:
         for v in variants:       # every rank: a late peer shows on the other rank
             print(f"rank {info.rank} {v[0]} {v[1]}: per step, waited for the modelled end "

@@ -268,3 +268,27 @@ def reads_posted_collectives(eager):
     return {"slot_s": waited,
             "wrong": [int((o != torch.cat([data(0, i), data(1, i)])).sum())
                       for i, o in enumerate(outs)]}
+
+
+def direct_lanes():
+    """DHelix's gloo lanes on the paced link: an all-gather and a reduce-scatter straight
+    to the link (`paced.direct`) and through torch.distributed (DIRECT off), each counted
+    once by the link model and modelled alike; their results, per rank."""
+    from dhelix.links import paced
+    from dhelix.strand.lanes import CpuLanes
+    link = paced.active()
+    g = dist.new_group([0, 1])
+    lanes = CpuLanes()
+    r = dist.get_rank()
+    x = torch.arange(6 * 4, dtype=torch.float32).view(6, 4) * (r + 1) + 0.5
+    out = {"direct_for_default": paced.direct(dist.group.WORLD, "all_gather") is not None,
+           "direct_for_group": paced.direct(g, "all_gather") is not None}
+    for mode in (True, False):
+        paced.DIRECT = mode
+        n0, m0 = link.count, link.modelled_s
+        ag = lanes.resolve(lanes.all_gather("ag", x, g, "intra"))
+        rs = lanes.resolve(lanes.reduce_scatter("rs", x, g, "intra"))
+        out[mode] = {"ag": ag.clone(), "rs": rs.clone(), "count": link.count - n0,
+                     "modelled": link.modelled_s - m0}
+    paced.DIRECT = True
+    return out

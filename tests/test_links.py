@@ -327,3 +327,22 @@ def test_a_posted_collective_is_read_at_the_next_issue(eager):
         assert res[0]["slot_s"] < 0.25, res
     else:
         assert res[0]["slot_s"] >= 0.4, res
+
+
+def test_lanes_call_the_paced_link_directly():
+    """DHelix's gloo lanes start their all-gathers and reduce-scatters on the paced link
+    without torch.distributed's wrapper (`links/paced.py: direct`): the same results as
+    through torch.distributed, each collective counted once and modelled alike; the
+    default group (control traffic, not paced) never takes that path."""
+    res = run_ranks(link_fns.direct_lanes, 2, env={"DHELIX_LINK": "paced:1gbit"},
+                    timeout=120)
+    for r in (0, 1):
+        d, via_dist = res[r][True], res[r][False]
+        assert res[r]["direct_for_group"] and not res[r]["direct_for_default"]
+        assert torch.equal(d["ag"], via_dist["ag"]) and torch.equal(d["rs"], via_dist["rs"])
+        assert d["count"] == via_dist["count"] == 2
+        assert d["modelled"] == pytest.approx(via_dist["modelled"]) and d["modelled"] > 0
+    x0 = torch.arange(24, dtype=torch.float32).view(6, 4)
+    xs = [x0 * (r + 1) + 0.5 for r in (0, 1)]
+    assert torch.equal(res[0][True]["ag"], torch.cat(xs))
+    assert torch.equal(res[1][True]["rs"], (xs[0] + xs[1])[3:])

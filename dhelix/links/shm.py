@@ -217,8 +217,15 @@ class ShmWork:
             return
         g = self.group
         segs = [g.seg(j) for j in range(g.n)]
-        _poll(lambda: min(int(x.ctr[0]) for x in segs) >= self.s,
-              f"every rank's data of collective {self.s}")
+        s = self.s
+
+        def posted():
+            for x in segs:
+                if x.ctr[0] < s:
+                    return False
+            return True
+        if not posted():
+            _poll(posted, f"every rank's data of collective {s}")
         self.read()
 
     def read(self) -> None:

@@ -57,15 +57,15 @@ class Lanes(abc.ABC):
         n = dist.get_world_size(group)
         x = x.contiguous()
         out = x.new_empty((x.shape[0] * n,) + tuple(x.shape[1:]))
-        return self._launch(op, lane, out, (x,), lambda x: dist.all_gather_into_tensor(
-            out, x, group=group, async_op=self.async_op), group)
+        return self._launch(op, lane, out, (x,), lambda x: self._collective(
+            "all_gather", out, x, group), group)
 
     def reduce_scatter(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
         n = dist.get_world_size(group)
         x = x.contiguous()
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-        return self._launch(op, lane, out, (x,), lambda x: dist.reduce_scatter_tensor(
-            out, x, group=group, async_op=self.async_op), group)
+        return self._launch(op, lane, out, (x,), lambda x: self._collective(
+            "reduce_scatter", out, x, group), group)
 
     def all_reduce(self, op: str, x: torch.Tensor, group, lane: str) -> Pending:
         """In place on `x` (a contiguous copy if it is not): the caller hands it over."""
@@ -118,6 +118,11 @@ class Lanes(abc.ABC):
 
     # backend hooks
     async_op = True
+
+    def _collective(self, kind: str, out, x, group):
+        """Start the all-gather or reduce-scatter `kind` of `x` into `out`."""
+        fn = dist.all_gather_into_tensor if kind == "all_gather" else dist.reduce_scatter_tensor
+        return fn(out, x, group=group, async_op=self.async_op)
 
     @abc.abstractmethod
     def _launch(self, op: str, lane: str, out, inputs: Tuple[torch.Tensor, ...],

@@ -24,8 +24,24 @@ from dhelix.strand.lane_api import Lanes, Message, Pending, _AllWorks, lane_of_g
 
 
 class CpuLanes(Lanes):
-    """gloo: a comm is an async work running on gloo's own threads."""
+    """gloo: a comm is an async work running on gloo's own threads. On the paced link an
+    all-gather or reduce-scatter goes to the link directly (`links.paced.direct`: the
+    same model and data path without torch.distributed's Python wrapper)."""
     name = "cpu"
+
+    def __init__(self):
+        super().__init__()
+        self._direct: Dict[tuple, object] = {}      # (id(group), kind) -> fn or None
+
+    def _collective(self, kind, out, x, group):
+        from dhelix.links import paced
+        k = (id(group), kind)
+        fn = self._direct.get(k, False)
+        if fn is False:
+            fn = self._direct[k] = paced.direct(group, kind)
+        if fn is not None and paced.DIRECT:
+            return fn(out, x)
+        return super()._collective(kind, out, x, group)
 
     def _launch(self, op, lane, out, inputs, fn, group):
         return self._track(Pending(op, out, fn(*inputs), keep=inputs), group)
