@@ -222,7 +222,8 @@ def test_halves_price_the_round_robin_of_two_half_chains():
     the link 0.5–1.5 beside b:c1 0.5–1.0; b:m issued at 1.0 waits for the link, 1.5–2.5,
     while a:c2 reads a:m, 1.5–2.0; b:c2 2.5–3.0. So 3.0 s against 4.0 s whole (c1, m, c2
     in a row). The forward likewise: 1.5 s against 2.0 s."""
-    from dhelix.planner.tiles import halves_alone, tiles_makespan
+    from dhelix.planner.tiles import tiles_makespan
+    from dhelix.planner.whole_step import halves_alone
     layer, t = _three_op_layer()
     assert tiles_makespan(layer, t, "bwd") == pytest.approx(3.0)
     assert tiles_makespan(layer, t, "fwd") == pytest.approx(1.5)

@@ -44,8 +44,7 @@ def planned_step(a, cfg, cost_source, keep=False, halves=False):
     extras."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
-    from dhelix.planner.tiles import halves_alone
-    from dhelix.planner.whole_step import plan_steps_alone, simulate_step
+    from dhelix.planner.whole_step import halves_alone, plan_steps_alone, simulate_step
     layer, costs = layer_costs(a, cfg, cost_source, keep=keep)
     if costs.step_extras is None:
         return None

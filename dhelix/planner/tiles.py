@@ -102,16 +102,4 @@ def tiles_makespan(layer: LayerOps, table: CostTable, kind: str, force: bool = F
     return model.run(steps)[0]
 
 
-def halves_alone(layer: LayerOps, table: CostTable, force: bool = False):
-    """An `AloneCost` (`whole_step`) for `--dhelix-halves`: F(1) whole, in the plan's
-    order as one step; B(N) as two halves round-robin."""
-    from dhelix.planner.whole_step import plan_steps_alone
-    b = tiles_makespan(layer, table, "bwd", force=force)
-
-    def alone(model, plan):
-        return plan_steps_alone(model, plan)[0], b
-    alone.halves = True            # WholeStep.halves: the phases say "two halves"
-    return alone
-
-
-__all__ = ["TILES", "halves_alone", "tiled_chain", "tiles_makespan"]
+__all__ = ["TILES", "tiled_chain", "tiles_makespan"]

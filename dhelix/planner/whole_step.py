@@ -56,6 +56,18 @@ def plan_steps_alone(model: LaneModel, plan: Plan) -> Tuple[float, float]:
     return f, b
 
 
+def halves_alone(layer: LayerOps, table: CostTable, force: bool = False) -> AloneCost:
+    """The `AloneCost` of `--dhelix-halves`: F(1) whole, in the plan's order as one step;
+    B(N) as two batch halves round-robin (`planner.tiles`)."""
+    from dhelix.planner.tiles import tiles_makespan
+    b = tiles_makespan(layer, table, "bwd", force=force)
+
+    def alone(model, plan):
+        return plan_steps_alone(model, plan)[0], b
+    alone.halves = True            # WholeStep.halves: the phases say "two halves"
+    return alone
+
+
 def plan_makespan(model: LaneModel, plan: Plan) -> float:
     """One co-executed layer pair: the plan's steps back to back, a comm waited for by its
     reader only (the same number `simulate(layer, plan, table).makespan` gives)."""
@@ -157,7 +169,7 @@ def simulate_step(layer: LayerOps, plan: Plan, table: CostTable, num_layers: int
     p = co_step_layers(rotated, plan, num_layers) / num_layers
     N = num_microbatches
     w = _assemble("dhelix", num_layers, N, 1, 1, N - 1, f, b, p, extras)
-    w.halves = bool(getattr(alone, "halves", False))    # `tiles.halves_alone` says so
+    w.halves = bool(getattr(alone, "halves", False))    # `halves_alone` says so
     return w
 
 
@@ -192,15 +204,13 @@ def predict(layer: LayerOps, plan: Plan, table: CostTable, num_microbatches: int
     halves round-robin (`--dhelix-halves`, priced by `planner.tiles`)."""
     extras = extras_of(table, source)
     L = num_layers or extras.num_layers
-    alone = plan_steps_alone
-    if halves:
-        from dhelix.planner.tiles import halves_alone
-        alone = halves_alone(layer, table, force=force)
+    alone = halves_alone(layer, table, force=force) if halves else plan_steps_alone
     return (simulate_step(layer, plan, table, L, num_microbatches, extras, force=force,
                           alone=alone),
             simulate_megatron_step(layer, table, L, num_microbatches, extras, force=force))
 
 
-__all__ = ["AloneCost", "WholeStep", "co_step_layers", "extras_of", "plan_makespan",
+__all__ = ["AloneCost", "WholeStep", "co_step_layers", "extras_of", "halves_alone",
+           "plan_makespan",
            "plan_steps_alone",
            "predict", "simulate_megatron_step", "simulate_step"]
