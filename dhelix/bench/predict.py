@@ -37,11 +37,11 @@ def layer_prediction(a, cfg, cost_source) -> float:
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
-def planned_step(a, cfg, cost_source, keep=False, halves=False):
+def planned_step(a, cfg, cost_source, keep=False, halves=False, plan=None):
     """The whole step the simulator predicts for the planned run on the profiled table
     `cost_source` (its layer: `layer_costs`, keeping the gathers with `keep`; B(N) as two
     batch halves with `halves`, `planner.tiles`), or None where the table has no
-    extras."""
+    extras. `plan`: the planner's plan for that layer and table, if already made."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
     from dhelix.planner.whole_step import halves_alone, plan_steps_alone, simulate_step
@@ -49,8 +49,8 @@ def planned_step(a, cfg, cost_source, keep=False, halves=False):
     if costs.step_extras is None:
         return None
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
-    return simulate_step(layer, dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L),
-                         costs, L, N, costs.step_extras,
+    plan = plan or dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L)
+    return simulate_step(layer, plan, costs, L, N, costs.step_extras,
                          alone=halves_alone(layer, costs) if halves else plan_steps_alone)
 
 
@@ -68,11 +68,13 @@ def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
     ex = costs.step_extras
     if ex is None:
         return {}
+    from dhelix.planner import dp
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
+    plan = dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L)   # planned once
     return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
             "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
-            "dhelix-plan": planned_step(a, cfg, cost_source),
-            "dhelix-halves": planned_step(a, cfg, cost_source, halves=True)}
+            "dhelix-plan": planned_step(a, cfg, cost_source, plan=plan),
+            "dhelix-halves": planned_step(a, cfg, cost_source, halves=True, plan=plan)}
 
 
 def pp_simulate(a, cfg, link, cost_source) -> dict:
