@@ -29,7 +29,9 @@ import torch.distributed as dist
 
 from dhelix.compat.cpu import D2H_POISON
 from dhelix.planner.chains import layer_chains
-from dhelix.strand.program import LayerProgram, _wgrad, mlp_activation
+from dhelix.strand.backward_ops import _wgrad
+from dhelix.strand.forward_ops import mlp_activation
+from dhelix.strand.program import LayerProgram
 from dhelix.strand.traced import traced
 
 # the dispatcher's per-micro-batch routing, set by dispatch_preprocess
