@@ -49,9 +49,12 @@ def main():
     p.add_argument("--plan", default="trivial")
     p.add_argument("--table", default=None,
                    help="plan from this overlap table instead of --plan (as the bench does)")
-    p.add_argument("--keep-gathered", action="store_true",
+    p.add_argument("--keep-gathered", nargs="?", const=True, default=False,
+                   metavar="PARTS",
                    help="a third model: DHelix planned the same way with "
-                        "--dhelix-keep-gathered (no backward re-gathers)")
+                        "--dhelix-keep-gathered [PARTS] (no backward re-gathers of those "
+                        "parts: attn, mlp or both, the default); several models with "
+                        "PARTS a list split by '/', e.g. mlp/attn,mlp")
     p.add_argument("--halves", action="store_true",
                    help="a model: DHelix planned the same way with --dhelix-halves")
     p.add_argument("--phases", action="store_true",
@@ -85,9 +88,11 @@ def main():
                               else ["--dhelix-plan", a.plan])
     cfgs = {"megatron": train_config_from_args(parser.parse_args(argv)),
             "dhelix": train_config_from_args(parser.parse_args(argv + planned))}
-    if a.keep_gathered:
-        cfgs["dhelix-keep"] = train_config_from_args(
-            parser.parse_args(argv + planned + ["--dhelix-keep-gathered"]))
+    for parts in ([] if not a.keep_gathered else [None] if a.keep_gathered is True
+                  else a.keep_gathered.split("/")):
+        name = "dhelix-keep" + (f"-{parts}" if parts else "")
+        cfgs[name] = train_config_from_args(parser.parse_args(
+            argv + planned + ["--dhelix-keep-gathered"] + ([parts] if parts else [])))
     if a.halves:
         cfgs["dhelix-halves"] = train_config_from_args(
             parser.parse_args(argv + planned + ["--dhelix-halves"]))

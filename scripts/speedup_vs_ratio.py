@@ -50,10 +50,11 @@ def main():
     p.add_argument("--num-microbatches", type=int, default=8)
     p.add_argument("--scales", default="0.5,0.6,0.7,0.8,0.9,1.0,1.2,1.5,2.0",
                    help="comm time factors (1.0: the table as profiled)")
-    p.add_argument("--keep-gathered", action="store_true",
+    p.add_argument("--keep-gathered", nargs="?", const=True, default=False,
+                   metavar="PARTS",
                    help="plan the layer that keeps its gathered inputs (no backward "
-                        "re-gathers, `--dhelix-keep-gathered`); megatron's step stays the "
-                        "plain layer's")
+                        "re-gathers, `--dhelix-keep-gathered [PARTS]`: attn, mlp or both, "
+                        "the default); megatron's step stays the plain layer's")
     p.add_argument("--png", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -67,7 +68,8 @@ def main():
              "mlp_chunks": 1}
     layer = layer_for_shape(shape)
     costs, _ = load_costs(layer, shape, a.table, None, False)
-    planned = layer_for_shape(dict(shape, keep_gathered=True)) if a.keep_gathered else layer
+    planned = layer_for_shape(dict(shape, keep_gathered=a.keep_gathered)) \
+        if a.keep_gathered else layer
     if costs.step_extras is None:
         raise SystemExit(f"{a.table}: no step_extras (profile it with `dhelix profile`)")
     L, N = load_model_config(a.config).num_layers, a.num_microbatches

@@ -142,3 +142,15 @@ def test_keep_gathered_checked_before_training():
             check_dhelix_args(args("--dhelix", "--dhelix-keep-gathered", **extra))
     with pytest.raises(DHelixArgError, match="--dhelix-keep-gathered needs --dhelix"):
         check_dhelix_args(args("--dhelix-keep-gathered"))
+    # PARTS: one linear's input, checked and in the chains' order; the flag alone is both
+    assert args("--dhelix", "--dhelix-keep-gathered").dhelix_keep_gathered is True
+    assert args("--dhelix", "--dhelix-keep-gathered", "mlp").dhelix_keep_gathered == "mlp"
+    assert args("--dhelix", "--dhelix-keep-gathered",
+                "mlp,attn").dhelix_keep_gathered == "attn,mlp"
+    check_dhelix_args(args("--dhelix", "--dhelix-keep-gathered", "attn",
+                           "--dhelix-mlp-chunks", "2"))
+    with pytest.raises(DHelixArgError, match="chunks.*keep attn only"):
+        check_dhelix_args(args("--dhelix", "--dhelix-keep-gathered", "mlp",
+                               "--dhelix-mlp-chunks", "2"))
+    with pytest.raises(SystemExit):
+        args("--dhelix", "--dhelix-keep-gathered", "qkv")

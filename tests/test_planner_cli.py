@@ -290,3 +290,16 @@ def test_plan_a_layer_that_keeps_its_gathers(tmp_path, capsys):
     rc, _, err = run(["plan", "--config", "tiny", "--tensor-model-parallel-size", "2",
                       "--dhelix-keep-gathered", "--cluster", "a800"], capsys)
     assert rc == 2 and "--sequence-parallel" in err and len(err.strip().splitlines()) == 1
+    # one part kept: its re-gather gone, the other's kept; the peak between plain and both
+    mlp = str(tmp_path / "mlp.json")
+    rc, _, err = run(["plan", *TINY, "--dhelix-keep-gathered", "mlp", "--table", table,
+                      "--out", mlp], capsys)
+    assert rc == 0, err
+    p = Plan.load(mlp)
+    assert p.meta["shape"]["keep_gathered"] == "mlp"
+    assert "ag_attn_w" in p.backward and "ag_mlp_w" not in p.backward
+    assert peak["plain"] < p.meta["predicted_peak_bytes"] < peak["keep"]
+    rc, stdout, err = run(["simulate", mlp, "--table", table], capsys)
+    assert rc == 0 and "gathered inputs kept (mlp)" in stdout, err
+    with pytest.raises(SystemExit):
+        run(["plan", *TINY, "--dhelix-keep-gathered", "fc1", "--table", table], capsys)

@@ -92,16 +92,18 @@ def test_mlp_chunks_train_like_baseline(tmp_path, nmb, rotation):
     assert same_runs(dh, base) == 0.0
 
 
-@pytest.mark.parametrize("config,nmb,rotation", [("tiny", 1, 0), ("tiny-llama", 3, 3),
-                                                 ("tiny", 4, 0), ("tiny-llama", 8, 5)])
-def test_kept_gathers_train_like_baseline(tmp_path, config, nmb, rotation):
-    """`--dhelix-keep-gathered` (the forward's gathered inputs kept for the wgrads, no
-    backward re-gathers), TP=2+SP, a random plan of that layer (some rotated), 20 steps:
-    megatron's run bit for bit (`same_runs` at tolerance 0)."""
+@pytest.mark.parametrize("config,nmb,rotation,keep", [
+    ("tiny", 1, 0, True), ("tiny-llama", 3, 3, True), ("tiny", 4, 0, True),
+    ("tiny-llama", 8, 5, True), ("tiny-llama", 4, 2, "mlp"), ("tiny", 3, 0, "attn")])
+def test_kept_gathers_train_like_baseline(tmp_path, config, nmb, rotation, keep):
+    """`--dhelix-keep-gathered [PARTS]` (the forward's gathered inputs kept for the
+    wgrads, no backward re-gathers, of both parts or the one named), TP=2+SP, a random
+    plan of that layer (some rotated), 20 steps: megatron's run bit for bit (`same_runs`
+    at tolerance 0)."""
     kw = dict(config=config, tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=STEPS, micro_batch_size=2, global_batch_size=2 * nmb)
-    plan = _random_plan(tmp_path, config, 11 + nmb, 2, rotation, keep_gathered=True)
-    base, dh = _runs(2, {"enabled": True, "keep_gathered": True, "plan": plan}, **kw)
+    plan = _random_plan(tmp_path, config, 11 + nmb, 2, rotation, keep_gathered=keep)
+    base, dh = _runs(2, {"enabled": True, "keep_gathered": keep, "plan": plan}, **kw)
     assert same_runs(dh, base) == 0.0
 
 

@@ -44,27 +44,32 @@ def test_chunked_mlp_matches_megatron(config, chunks):
         assert res["num_ops"][0] == 14 + 5 * (chunks - 1) and res["num_ops"][1] == 20
 
 
-@pytest.mark.parametrize("config,chunks", [("tiny", 1), ("tiny-llama", 1), ("tiny", 2)])
-def test_kept_gathers_match_megatron(config, chunks):
-    """`--dhelix-keep-gathered`: the wgrads read the forward's gathered inputs, the
-    backward gathers nothing again (no `ag_attn_w`, and no `ag_mlp_w` unless the MLP's
-    forward gathers in chunks), and every plan is still megatron's layer bit for bit."""
+@pytest.mark.parametrize("config,chunks,keep", [("tiny", 1, True), ("tiny-llama", 1, True),
+                                               ("tiny", 2, True), ("tiny-llama", 1, "mlp"),
+                                               ("tiny", 2, "attn")])
+def test_kept_gathers_match_megatron(config, chunks, keep):
+    """`--dhelix-keep-gathered [PARTS]`: the wgrads read the forward's gathered inputs,
+    the backward gathers nothing again for the parts kept (all: no `ag_attn_w`, and no
+    `ag_mlp_w` unless the MLP's forward gathers in chunks; "mlp" or "attn": that part's
+    only), and every plan is still megatron's layer bit for bit."""
     for res in run_ranks(layer_fns.check_plans, 2, timeout=300, config=config, tp=2,
                          sp=True, nplans=RANDOM_PLANS // 2, mlp_chunks=chunks,
-                         keep_gathered=True):
+                         keep_gathered=keep):
         assert res["nplans"] == RANDOM_PLANS // 2 + 3 and res["distinct"] == res["nplans"]
-        assert res["num_ops"][1] == (18 if chunks == 1 else 19)
+        assert res["num_ops"][1] == (18 if chunks == 1 and keep is True else 19)
         assert res["reordered"] >= 5
 
 
 def test_kept_gathers_cost_what_the_planner_says():
     """Keeping the gathered inputs holds, after a layer's forward, (TP−1)/TP of a gathered
     input more per kept linear (the norm's output becomes the kept tensor's own rows):
-    measured (saved-tensor accounting) and in the planner's estimate alike."""
-    for config in ("tiny", "tiny-llama"):
+    measured (saved-tensor accounting) and in the planner's estimate alike; one linear's
+    worth when one part is kept (`--dhelix-keep-gathered mlp`)."""
+    for config, parts, linears in (("tiny", True, 2), ("tiny-llama", True, 2),
+                                   ("tiny-llama", "mlp", 1)):
         plain, keep = (run_ranks(layer_fns.kept_after_forward, 2, timeout=200, config=config,
-                                 keep_gathered=k)[0] for k in (False, True))
-        extra = 2 * keep["full"] // 2                 # two linears, TP=2
+                                 keep_gathered=k)[0] for k in (False, parts))
+        extra = linears * keep["full"] // 2           # TP=2
         assert keep["measured"] - plain["measured"] == extra, (config, plain, keep)
         assert keep["estimated"] - plain["estimated"] == extra, (config, plain, keep)
 

@@ -65,7 +65,8 @@ class BenchOptions:
     planner_source: str = "table"             # "table" (profiled) or "analytical"
     profile_repeats: int = 3
     dhelix_mlp_chunks: int = 1                # > 1: the planned runs' MLP in chunks
-    dhelix_keep_gathered: bool = False        # one more planned run, keeping the gathers
+    dhelix_keep_gathered: object = False      # one more planned run, keeping the gathers
+    #                                            (True: both parts, or "attn" / "mlp")
     compute: str = "none"                     # paced:CLUSTER[,x=F]: emulated time
     emulate: str = ""                         # the emulated shape (with compute)
     out: str = "bench"                        # prefix for .md, .json and .png
@@ -158,7 +159,8 @@ def _argv(a, cfg, out_json, method, cluster, trace):
         if method == "dhelix-halves":
             argv += ["--dhelix-halves"]
         elif method == KEEP:
-            argv += ["--dhelix-keep-gathered"]
+            keep = a.dhelix_keep_gathered     # True: both parts; else the parts named
+            argv += ["--dhelix-keep-gathered"] + ([] if keep is True else [keep])
     elif method == CHUNKS:
         argv += ["--dhelix", "--dhelix-overlap-table", cluster,
                  "--dhelix-mlp-chunks", str(a.dhelix_mlp_chunks)]
@@ -368,7 +370,8 @@ def run_bench(a: BenchOptions) -> int:
                         if planned:           # the chunked run, from its own table
                             preds[CHUNKS] = predict.planned_step(a, cfg, planned)
                         if KEEP in methods:   # the plain layer's table serves it
-                            preds[KEEP] = predict.planned_step(a, cfg, cluster, keep=True)
+                            preds[KEEP] = predict.planned_step(a, cfg, cluster,
+                                                                 keep=a.dhelix_keep_gathered)
                         rows += report.rows(cfg, link, res,
                                             _trace_totals(trace_files(trace)[0]), methods,
                                             predict.layer_prediction(a, cfg, cluster), preds)

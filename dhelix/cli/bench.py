@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dhelix.bench.run import BenchOptions
 from dhelix.cli.common import options
+from dhelix.megatron.args import add_keep_gathered_arg
 
 D = BenchOptions          # the defaults
 
@@ -55,11 +56,11 @@ def add_parser(sub) -> None:
                    metavar="C", help="C > 1: one more method, dhelix-chunks: the planned "
                    "run with each layer's MLP forward in C token chunks, planned from a "
                    "table profiled for that layer (default: %(default)s)")
-    p.add_argument("--dhelix-keep-gathered", action="store_true",
-                   default=D.dhelix_keep_gathered,
-                   help="one more method, dhelix-keep: the planned run whose layers keep "
-                        "the forward's gathered inputs for the weight gradients (no backward "
-                        "re-gathers; more activation memory), planned from the same table")
+    add_keep_gathered_arg(p, default=D.dhelix_keep_gathered,
+                          help="one more method, dhelix-keep: the planned run whose layers "
+                               "keep the forward's gathered inputs for the weight gradients "
+                               "(no backward re-gathers; more activation memory; PARTS: "
+                               "attn, mlp or both, the default), planned from the same table")
     p.add_argument("--compute", default=D.compute, metavar="paced:CLUSTER[,x=F]",
                    help="paced compute: the ranks keep --emulate's time on CLUSTER (a40, "
                         "a800, h100 or a YAML), with one paced link; each row's emulated "

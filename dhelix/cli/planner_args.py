@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
+from dhelix.megatron.args import add_keep_gathered_arg
 from dhelix.planner.problem import DEFAULT_MBS, DEFAULT_SEQ, make_shape
 
 
@@ -40,10 +41,11 @@ def add_shape_args(p, required: bool) -> None:
                    help="the MLP forward in C token chunks, as `dhelix train "
                         "--dhelix-mlp-chunks C` runs it (needs TP > 1 with "
                         "--sequence-parallel; default 1)")
-    g.add_argument("--dhelix-keep-gathered", action="store_true", default=None,
-                   help="the layer that keeps its gathered inputs for the weight gradients "
-                        "(no backward re-gathers), as `dhelix train --dhelix-keep-gathered` "
-                        "runs it; the table of the plain layer serves it")
+    add_keep_gathered_arg(g, default=None,
+                          help="the layer that keeps its gathered inputs for the weight "
+                               "gradients (no backward re-gathers; PARTS: attn, mlp or "
+                               "both, the default), as `dhelix train --dhelix-keep-gathered "
+                               "[PARTS]` runs it; the table of the plain layer serves it")
 
 
 def add_cp_arg(g, default) -> None:

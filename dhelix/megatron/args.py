@@ -25,6 +25,29 @@ def _bytes(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e))
 
 
+def keep_gathered_arg(text: str) -> str:
+    """`--dhelix-keep-gathered PARTS`: attn, mlp or attn,mlp (checked, in that order)."""
+    from dhelix.planner.chains import keep_parts
+    try:
+        return ",".join(keep_parts(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+KEEP_HELP = ("keep each column-parallel linear's gathered input (sequence parallel) from "
+             "the forward to its weight gradient instead of gathering it again in the "
+             "backward: two of a layer's ten TP collectives fewer, for (TP-1)/TP of s·b·h "
+             "more activation memory per linear, layer and micro-batch in flight (needs "
+             "TP > 1 with --sequence-parallel); PARTS keeps only those linears' inputs "
+             "(attn: QKV's, mlp: fc1's; default both): half the memory, half the comm")
+
+
+def add_keep_gathered_arg(g, help: str, default=False) -> None:
+    """`--dhelix-keep-gathered [PARTS]`: the flag alone keeps both parts (True)."""
+    g.add_argument("--dhelix-keep-gathered", nargs="?", const=True, default=default,
+                   type=keep_gathered_arg, metavar="PARTS", help=help)
+
+
 def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("DHelix", "strand interleaving (dhelix)")
     g.add_argument("--dhelix", action="store_true",
@@ -62,13 +85,7 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "all-gather runs beside chunk c-1's GEMMs and its reduce-scatter "
                         "beside chunk c+1's, so the link has work while the other strand "
                         "has none; bit-identical to megatron (default 1: unchunked)")
-    g.add_argument("--dhelix-keep-gathered", action="store_true",
-                   help="keep each column-parallel linear's gathered input (sequence "
-                        "parallel) from the forward to its weight gradient instead of "
-                        "gathering it again in the backward: two of a layer's ten TP "
-                        "collectives fewer, for s·b·h more activation memory per layer and "
-                        "micro-batch in flight (needs TP > 1 with --sequence-parallel); "
-                        "bit-identical to megatron")
+    add_keep_gathered_arg(g, KEEP_HELP + "; bit-identical to megatron")
     g.add_argument("--dhelix-peer", choices=["intra-batch"], default=None,
                    help="instead of DHelix, the intra-batch overlap peer (for comparison): "
                         "each micro-batch split in two halves, interleaved round-robin")
@@ -191,6 +208,12 @@ def _check_keep_gathered(args) -> None:
         raise DHelixArgError(f"--dhelix-keep-gathered keeps the all-gathered inputs of "
                              f"sequence parallel for the weight gradients; not with "
                              f"{', '.join(bad)} (drop --dhelix-keep-gathered)")
+    keep = args.dhelix_keep_gathered
+    chunks = getattr(args, "dhelix_mlp_chunks", 1) or 1
+    if keep is not True and "mlp" in str(keep).split(",") and chunks > 1:
+        raise DHelixArgError(f"--dhelix-keep-gathered {keep} with --dhelix-mlp-chunks "
+                             f"{chunks}: a chunked MLP gathers its input in chunks, none "
+                             f"of them kept; keep attn only (--dhelix-keep-gathered attn)")
 
 
 def _check_recompute(args) -> None:

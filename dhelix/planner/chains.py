@@ -17,7 +17,8 @@ for its wgrad and the backward re-gathers it not (no `ag_attn_w`, `ag_mlp_w`): o
 collective of five fewer per linear pair, for a gathered tensor (s·b·h) held per layer
 and micro-batch from the forward to the wgrad instead of the 1/TP shard — a
 memory-for-comm trade megatron does not make. The MLP's input is kept only where its
-forward gathers it in one piece (not chunked, not MoE).
+forward gathers it in one piece (not chunked, not MoE). `keep_gathered` may name the parts
+("attn", "mlp", or both: `keep_parts`) for half the memory and half the comm saved.
 """
 from __future__ import annotations
 
@@ -31,14 +32,15 @@ def layer_chains(tp: int, sp: bool, lane: str = "intra", moe: bool = False,
                  shared_experts: bool = False, cp: int = 1,
                  cp_lane: str = "intra",
                  mlp_chunks: int = 1,
-                 keep_gathered: bool = False) -> Tuple[List[OpSpec], List[OpSpec]]:
+                 keep_gathered=False) -> Tuple[List[OpSpec], List[OpSpec]]:
     """(forward, backward) OpSpecs of a layer with TP `tp` (sequence parallel `sp`); TP
     collectives run on `lane` (intra or inter, by the TP group's node membership). With
     `moe` the MLP is megatron's MoE block with the all-to-all dispatcher (experts not
     TP-split: expert-tensor-parallel 1), its all-to-alls on `ep_lane`. With context
     parallel `cp` > 1 the attention core is a ring (`ring_chains`) on `cp_lane`. With
     `mlp_chunks` > 1 the dense MLP's forward runs in that many token chunks; with
-    `keep_gathered` the backward re-gathers nothing the forward gathered (module doc)."""
+    `keep_gathered` (True, or the parts: `keep_parts`) the backward re-gathers nothing
+    the forward gathered for those parts (module doc)."""
     sp = sp and tp > 1
     check_mlp_chunks(mlp_chunks, sp, moe)
     check_keep_gathered(keep_gathered, sp)
@@ -106,19 +108,48 @@ def check_mlp_chunks(mlp_chunks, sp: bool, moe: bool) -> None:
                          f"parallel and no MoE (use 1 chunk otherwise)")
 
 
+KEEP_PARTS = ("attn", "mlp")
+
+
+def keep_parts(keep_gathered) -> Tuple[str, ...]:
+    """`--dhelix-keep-gathered`'s value as the parts whose gathered input is kept: False or
+    None -> none; True -> both; a comma list of "attn", "mlp" -> those."""
+    if keep_gathered is None or keep_gathered is False or keep_gathered == "":
+        return ()
+    if keep_gathered is True:
+        return KEEP_PARTS
+    named = [x.strip() for x in str(keep_gathered).split(",")]
+    bad = [x for x in named if x not in KEEP_PARTS]
+    if bad or not named:
+        raise ValueError(f"--dhelix-keep-gathered {keep_gathered}: {', '.join(map(repr, bad))} "
+                         f"is no part of a layer; name attn, mlp or attn,mlp (the linear "
+                         f"whose gathered input is kept: QKV's, fc1's or both)")
+    return tuple(x for x in KEEP_PARTS if x in named)
+
+
 def check_keep_gathered(keep_gathered, sp: bool) -> None:
     """Keeping the gathered inputs needs the gathers of sequence parallel."""
-    if keep_gathered and not sp:
+    if keep_parts(keep_gathered) and not sp:
         raise ValueError("keeping the gathered inputs (--dhelix-keep-gathered) needs TP > 1 "
                          "with sequence parallel: without it the forward gathers nothing "
                          "(drop the flag, or add --sequence-parallel)")
 
 
-def kept_gathers(keep_gathered: bool, sp: bool, moe: bool, mlp_chunks: int) -> Tuple[str, ...]:
-    """The parts ("attn", "mlp") whose forward-gathered input the backward keeps."""
-    if not (keep_gathered and sp):
+def kept_gathers(keep_gathered, sp: bool, moe: bool, mlp_chunks: int) -> Tuple[str, ...]:
+    """The parts ("attn", "mlp") whose forward-gathered input the backward keeps. Keeping
+    all (True) keeps the MLP's only where its forward gathers it in one piece; naming
+    "mlp" where it does not is an error."""
+    parts = keep_parts(keep_gathered)
+    if not sp or not parts:
         return ()
-    return ("attn",) if moe or mlp_chunks > 1 else ("attn", "mlp")
+    if "mlp" in parts and (moe or mlp_chunks > 1):
+        if keep_gathered is not True:
+            why = "a MoE block routes its tokens" if moe else \
+                f"--dhelix-mlp-chunks {mlp_chunks} gathers it in chunks"
+            raise ValueError(f"--dhelix-keep-gathered {keep_gathered}: the MLP's gathered "
+                             f"input cannot be kept ({why}); keep attn only")
+        parts = tuple(p for p in parts if p != "mlp")
+    return parts
 
 
 def chunk_of(name: str) -> Tuple[str, int]:

@@ -103,7 +103,9 @@ def make_shape(config: Optional[str], tp: Optional[int] = None, sp: Optional[boo
             raise InputError("--dhelix-keep-gathered keeps the all-gathered inputs of sequence "
                              "parallel: it needs --tensor-model-parallel-size > 1 with "
                              "--sequence-parallel")
-        shape["keep_gathered"] = True
+        from dhelix.planner.chains import keep_parts
+        parts = keep_parts(keep_gathered)
+        shape["keep_gathered"] = True if len(parts) == 2 else ",".join(parts)
     return shape
 
 
@@ -159,7 +161,7 @@ def layer_for_shape(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE):
                                    cp=shape.get("cp", 1),
                                    cp_lane=cp_lane(shape, gpus_per_node),
                                    mlp_chunks=shape.get("mlp_chunks", 1),
-                                   keep_gathered=bool(shape.get("keep_gathered")))
+                                   keep_gathered=shape.get("keep_gathered") or False)
     except (ValueError, AssertionError) as e:  # megatron's TransformerConfig checks
         cp = f", CP={shape['cp']}" if shape.get("cp", 1) > 1 else ""
         raise ConfigError(f"--config {shape['config']} with TP={shape['tp']}{cp}: {e}")
@@ -183,7 +185,8 @@ def shape_str(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
     if shape.get("mlp_chunks", 1) > 1:
         parts.append(f"MLP in {shape['mlp_chunks']} chunks")
     if shape.get("keep_gathered"):
-        parts.append("gathered inputs kept")
+        kept = shape["keep_gathered"]
+        parts.append("gathered inputs kept" + ("" if kept is True else f" ({kept})"))
     parts += [f"seq {shape.get('seq')}", f"mbs {shape.get('mbs')}",
               "bf16" if shape.get("bf16") else "fp32", f"lane {shape.get('lane')}"]
     return ", ".join(parts)

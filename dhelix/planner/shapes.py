@@ -165,7 +165,8 @@ def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> Laye
     lo.shape = {"hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "seq": s, "mbs": b,
                 "tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dt}
     if kept:
-        lo.shape["keep_gathered"] = True
+        lo.shape["keep_gathered"] = True if len(kept) == 2 else \
+            ",".join(p for p in ("attn", "mlp") if f"ag_{p}" in kept)
     if getattr(cfg, "num_experts", None):
         lo.shape.update(experts=cfg.num_experts, topk=cfg.moe_router_topk, ep=ep,
                         routing="balanced expectation")
@@ -211,7 +212,7 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
                         lane: str = "intra", ep: int = 1,
                         ep_lane: str = "intra", cp: int = 1,
                         cp_lane: str = "intra", mlp_chunks: int = 1,
-                        keep_gathered: bool = False) -> LayerOps:
+                        keep_gathered=False) -> LayerOps:
     """The same LayerOps a live DHelix layer of this shape reports, without building it
     or any process group: for planning and simulating models and clusters you do not
     have (`dhelix plan --config llama-8b --cluster h100`). `seq_length` is the global

@@ -59,7 +59,7 @@ class DHelixSchedule:
         for c in chunks:
             for layer in [m for m in c.modules() if isinstance(m, DHelixLayer)]:
                 layer.dhelix_mlp_chunks = int(self.options.get("mlp_chunks") or 1)
-                layer.dhelix_keep_gathered = bool(self.options.get("keep_gathered"))
+                layer.dhelix_keep_gathered = self.options.get("keep_gathered") or False
 
     def check(self, chunks, seq_length, micro_batch_size):
         """Validate the plan against every DHelix layer now, before the first step."""

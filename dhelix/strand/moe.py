@@ -97,7 +97,7 @@ class MoEProgram(LayerProgram):
     def _chains(self, keep: bool = True):
         return layer_chains(self.tp, self.sp, self.lane, moe=True, ep_lane=self.ep_lane,
                             shared_experts=self.shared, mlp_chunks=self.chunks,
-                            keep_gathered=self.keep_gathered and keep)
+                            keep_gathered=self.keep_gathered if keep else False)
 
     def _mlp_fns(self) -> Dict[str, Callable]:
         return {

@@ -105,8 +105,9 @@ class LayerProgram(ForwardOps, BackwardOps):
         # chunks of the MLP's forward (`planner.chains`), set on the layer by the schedule
         # (`--dhelix-mlp-chunks`) or the profiler before its program is built
         self.chunks = int(getattr(layer, "dhelix_mlp_chunks", 1) or 1)
-        # the forward's gathered inputs kept for the wgrads (`--dhelix-keep-gathered`)
-        self.keep_gathered = bool(getattr(layer, "dhelix_keep_gathered", False))
+        # the forward's gathered inputs kept for the wgrads (`--dhelix-keep-gathered`:
+        # True for both parts, or "attn" / "mlp" / "attn,mlp", `chains.keep_parts`)
+        self.keep_gathered = getattr(layer, "dhelix_keep_gathered", False) or False
         self.recompute = recompute_of(layer)     # None | "full" | "selective"
         if self.recompute and self.keep_gathered:
             raise ValueError(f"activation recompute ({self.recompute}) saves memory that "
@@ -175,7 +176,7 @@ class LayerProgram(ForwardOps, BackwardOps):
         """(forward, backward) OpSpecs; `keep=False`: without the kept gathers."""
         return layer_chains(self.tp, self.sp, self.lane, cp=self.cp,
                             cp_lane=self.ring.ring.lane if self.ring else "intra",
-                            mlp_chunks=self.chunks, keep_gathered=self.keep_gathered and keep)
+                            mlp_chunks=self.chunks, keep_gathered=self.keep_gathered if keep else False)
 
     def _mlp_fns(self) -> Dict[str, Callable]:
         """Ops of the MLP part beyond the shared ones (none for the dense layer)."""

@@ -314,6 +314,6 @@ def preflight(cfg: TrainConfig, world: int) -> List[str]:
         ops = layer_ops_for_shape(m, layout.tp, cfg.sequence_parallel, cfg.seq_length,
                                   cfg.micro_batch_size, bf16=cfg.bf16, cp=layout.cp,
                                   mlp_chunks=dh.get("mlp_chunks") or 1,
-                                  keep_gathered=bool(dh.get("keep_gathered")))
+                                  keep_gathered=dh.get("keep_gathered") or False)
         validate(Plan.load(plan), ops, plan)
     return warnings
