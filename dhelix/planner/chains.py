@@ -127,6 +127,12 @@ def keep_parts(keep_gathered) -> Tuple[str, ...]:
     return tuple(x for x in KEEP_PARTS if x in named)
 
 
+def keep_value(parts) -> object:
+    """The parts kept as a shape or plan meta says it: True for both, else "attn"/"mlp"."""
+    parts = tuple(p for p in KEEP_PARTS if p in parts)
+    return True if parts == KEEP_PARTS else ",".join(parts)
+
+
 def check_keep_gathered(keep_gathered, sp: bool) -> None:
     """Keeping the gathered inputs needs the gathers of sequence parallel."""
     if keep_parts(keep_gathered) and not sp:

@@ -103,9 +103,8 @@ def make_shape(config: Optional[str], tp: Optional[int] = None, sp: Optional[boo
             raise InputError("--dhelix-keep-gathered keeps the all-gathered inputs of sequence "
                              "parallel: it needs --tensor-model-parallel-size > 1 with "
                              "--sequence-parallel")
-        from dhelix.planner.chains import keep_parts
-        parts = keep_parts(keep_gathered)
-        shape["keep_gathered"] = True if len(parts) == 2 else ",".join(parts)
+        from dhelix.planner.chains import keep_parts, keep_value
+        shape["keep_gathered"] = keep_value(keep_parts(keep_gathered))
     return shape
 
 

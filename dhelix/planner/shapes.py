@@ -165,8 +165,8 @@ def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> Laye
     lo.shape = {"hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "seq": s, "mbs": b,
                 "tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dt}
     if kept:
-        lo.shape["keep_gathered"] = True if len(kept) == 2 else \
-            ",".join(p for p in ("attn", "mlp") if f"ag_{p}" in kept)
+        from dhelix.planner.chains import keep_value
+        lo.shape["keep_gathered"] = keep_value([ag[len("ag_"):] for ag in kept])
     if getattr(cfg, "num_experts", None):
         lo.shape.update(experts=cfg.num_experts, topk=cfg.moe_router_topk, ep=ep,
                         routing="balanced expectation")
