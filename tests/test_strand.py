@@ -202,3 +202,41 @@ def test_lane_follows_node_membership():
     same = run_ranks(layer_fns.comm_lanes, 2, timeout=120, env={"DHELIX_NODE_IDS": "0,0"})
     split = run_ranks(layer_fns.comm_lanes, 2, timeout=120, env={"DHELIX_NODE_IDS": "0,1"})
     assert same[0] == ["intra"] and split[0] == ["inter"]
+
+
+def test_local_grad_is_autograds_grad():
+    """`traced.local_grad` (autograd's engine called directly) gives `torch.autograd.grad`'s
+    gradients bit for bit, None for an unused input only when allowed, and refuses a grad
+    of another shape than its output's; the activation meter counts a saved tensor while
+    storage once while a token names it (tokens release on collection)."""
+    import torch
+    from dhelix.base.memory import METER
+    from dhelix.strand.traced import local_grad, traced
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    unused = torch.randn(3, requires_grad=True)
+
+    def graph():
+        x = torch.randn(4, 8).requires_grad_()
+        return x, traced(lambda a: torch.nn.functional.gelu(a @ w).tanh(), x)
+    x, y = graph()
+    g = torch.randn_like(y)
+    want = torch.autograd.grad(y, [x, w], g, retain_graph=True)
+    got = local_grad((y,), [x, w], (g,))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    x, y = graph()
+    assert local_grad((y,), [x, unused], (g,), allow_unused=True)[1] is None
+    x, y = graph()
+    with pytest.raises(RuntimeError):
+        local_grad((y,), [x, unused], (g,))
+    x, y = graph()
+    with pytest.raises(RuntimeError, match="shape"):
+        local_grad((y,), [x], (torch.randn(4, 7),))
+    before = METER.current
+    t = torch.randn(16, 16)
+    tokens = [METER.hold(t), METER.hold(t[:4])]       # one storage, counted once
+    assert METER.current == before + t.numel() * 4
+    tokens.pop()
+    assert METER.current == before + t.numel() * 4
+    tokens.pop()
+    assert METER.current == before

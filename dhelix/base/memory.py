@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import resource
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,9 +40,7 @@ class ActivationMeter:
             self.current += key[1]
             self.peak = max(self.peak, self.current)
         entry[1] += 1
-        token = _Token()
-        weakref.finalize(token, self._release, key, entry)
-        return token
+        return _Token(self, key, entry)
 
     def forget(self, t: torch.Tensor) -> None:
         """`t`'s storage is freed now (its holders keep only its metadata): stop counting
@@ -78,7 +75,16 @@ class ActivationMeter:
 
 
 class _Token:
-    __slots__ = ("__weakref__",)
+    """Releases its storage's count when collected. A `__del__`, not `weakref.finalize`:
+    a finalizer costs a registry entry and a weak reference per token, and a step makes
+    thousands of tokens (every saved tensor of both models on the bench)."""
+    __slots__ = ("meter", "key", "entry")
+
+    def __init__(self, meter, key, entry):
+        self.meter, self.key, self.entry = meter, key, entry
+
+    def __del__(self):
+        self.meter._release(self.key, self.entry)
 
 
 METER = ActivationMeter()

@@ -12,7 +12,7 @@ from typing import List
 
 import torch
 
-from dhelix.strand.traced import traced
+from dhelix.strand.traced import local_grad, traced
 
 
 def _wgrad(g: torch.Tensor, x: torch.Tensor):
@@ -46,7 +46,7 @@ class BackwardOps:
         graph = S.get(key_graph)
         *ins, y = graph
         params = [p for p in inputs_extra if p is not None]
-        grads = torch.autograd.grad(y, list(ins) + params, g)
+        grads = local_grad((y,), list(ins) + params, (g,))
         for p, gp in zip(params, grads[len(ins):]):
             S.acc_grad(p, gp)
         S.drop(key_graph)

@@ -32,7 +32,7 @@ from dhelix.planner.chains import layer_chains
 from dhelix.strand.backward_ops import _wgrad
 from dhelix.strand.forward_ops import mlp_activation
 from dhelix.strand.program import LayerProgram
-from dhelix.strand.traced import traced
+from dhelix.strand.traced import local_grad, traced
 
 # the dispatcher's per-micro-batch routing, set by dispatch_preprocess
 _ROUTING = ("hidden_shape", "probs", "routing_map", "tokens_per_expert",
@@ -137,8 +137,8 @@ class MoEProgram(LayerProgram):
         xs, ys = S.get(key_graph)
         outs = [(y, g) for y, g in zip(ys, grads) if y.requires_grad and g is not None]
         params = [p for p in params if p is not None]
-        res = torch.autograd.grad([y for y, _ in outs], list(xs) + params,
-                                  [g for _, g in outs], allow_unused=True)
+        res = local_grad([y for y, _ in outs], list(xs) + params, [g for _, g in outs],
+                         allow_unused=True)
         for p, gp in zip(params, res[len(xs):]):
             if gp is not None:
                 S.acc_grad(p, gp)
