@@ -207,8 +207,8 @@ def test_lane_follows_node_membership():
 def test_local_grad_is_autograds_grad():
     """`traced.local_grad` (autograd's engine called directly) gives `torch.autograd.grad`'s
     gradients bit for bit, None for an unused input only when allowed, and refuses a grad
-    of another shape than its output's; the activation meter counts a saved tensor while
-    storage once while a token names it (tokens release on collection)."""
+    of another shape than its output's; the activation meter counts a storage once while
+    a token names it and releases it when the last token is collected."""
     import torch
     from dhelix.base.memory import METER
     from dhelix.strand.traced import local_grad, traced

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from dhelix.planner.chains import chunk_of, keep_value, layer_chains
 from dhelix.planner.opspec import LayerOps
 
 
@@ -137,7 +138,6 @@ def _moe_estimates(cfg, z, Tl, g, ew):
 def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> LayerOps:
     """Fill the chains' OpSpecs with the estimates for this shape (`s`: the global
     sequence length; with context parallel `cp` each rank holds s/cp tokens)."""
-    from dhelix.planner.chains import chunk_of
     est = op_estimates(cfg, tp, sp, s, b, cp)
     dt = _sizes(cfg, tp, sp, s, b, cp)["dt"]
     # a chunked MLP's op ("fc1.0") does its unchunked op's work over 1/C of the tokens
@@ -165,7 +165,6 @@ def estimate_layer_ops(forward, backward, cfg, tp, sp, s, b, ep=1, cp=1) -> Laye
     lo.shape = {"hidden": cfg.hidden_size, "ffn": cfg.ffn_hidden_size, "seq": s, "mbs": b,
                 "tp": tp, "sp": sp, "cp": cp, "dtype_bytes": dt}
     if kept:
-        from dhelix.planner.chains import keep_value
         lo.shape["keep_gathered"] = keep_value([ag[len("ag_"):] for ag in kept])
     if getattr(cfg, "num_experts", None):
         lo.shape.update(experts=cfg.num_experts, topk=cfg.moe_router_topk, ep=ep,
@@ -217,7 +216,6 @@ def layer_ops_for_shape(model_cfg, tp: int, sequence_parallel: bool, seq_length:
     or any process group: for planning and simulating models and clusters you do not
     have (`dhelix plan --config llama-8b --cluster h100`). `seq_length` is the global
     sequence length; context parallel `cp` > 1 splits it over a ring on `cp_lane`."""
-    from dhelix.planner.chains import layer_chains
     if tp < 1:
         raise ValueError(f"tensor-model-parallel size must be >= 1, got {tp}")
     check_context_parallel(seq_length, cp)
