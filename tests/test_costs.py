@@ -236,3 +236,41 @@ def test_speedup_vs_ratio_scales_only_the_comm_ops():
             assert s.stretch(f, b) == pytest.approx(t.stretch(f, b)), (k, f, b)
             if k == 1.0 and p >= max(t.alone_f[f], t.alone_b[b]):
                 assert s.pair[(f, b)] == pytest.approx(p), (f, b)
+
+
+def test_alpha_rotation_model_experiment():
+    """scripts/alpha_rotation.py: α's forward chain rotated by s keeps every op once, in
+    the chain's cyclic order; a comm whose reader moved to the next layer step loses it
+    (the step's barrier waits), the others keep theirs; s = 0 plans the layer's own pair;
+    a rotation outside the chain is refused."""
+    import importlib.util
+    from dhelix.planner import dp
+    spec = importlib.util.spec_from_file_location(
+        "alpha_rotation", ROOT / "scripts" / "alpha_rotation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from dhelix.planner.chains import layer_chains
+    # a chunked MLP's gathers name their readers (each chunk's fc1): some rotations
+    # move a reader to the next layer step
+    chunked = LayerOps(*layer_chains(2, True, mlp_chunks=2))
+    names = [o.name for o in chunked.forward]
+    readers = {o.name: o.reader for o in chunked.forward if o.reader}
+    assert readers
+    moved_any = False
+    for s in range(len(names)):
+        r = mod.rotated_forward(chunked, s)
+        assert [o.name for o in r.forward] == names[s:] + names[:s]
+        assert r.backward == chunked.backward
+        for o in r.forward:
+            if o.name in readers:
+                moved = names.index(o.name) < s <= names.index(readers[o.name])
+                moved_any |= moved
+                assert o.reader == (None if moved else readers[o.name]), (s, o.name)
+    assert moved_any
+    layer = tp_sp_layer()
+    t = random_table(layer, random.Random(5))
+    own = dp.plan(layer, t, force=True)
+    rot0 = dp.plan(mod.rotated_forward(layer, 0), t, force=True)
+    assert rot0.meta["predicted_s"] == own.meta["predicted_s"]
+    with pytest.raises(ValueError, match="rotation"):
+        mod.rotated_forward(layer, len(layer.forward))
