@@ -22,7 +22,8 @@ through torch.distributed (megatron's collectives always go through torch.distri
     torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1gbit \
         --table table.json --halves --phases --pairs 6
 
-`--halves` adds a model planned the same way with `--dhelix-halves` (B(N)'s micro-batch
+`--also-plans A.json,B.json` adds a DHelix model per plan file (which of several plans
+runs faster, in the same processes). `--halves` adds a model planned the same way with `--dhelix-halves` (B(N)'s micro-batch
 as two batch halves round-robin); `--phases` prints, per DHelix model, the median time of
 F(1), of one co-step F(k+1) ∥ B(k) (k < N−1), of the last co-step and of B(N) (rank 0's host clock around each
 `co_step` of `schedules/dhelix.py`), to say which phase a variant makes faster.
@@ -55,6 +56,10 @@ def main():
                         "--dhelix-keep-gathered [PARTS] (no backward re-gathers of those "
                         "parts: attn, mlp or both, the default); several models with "
                         "PARTS a list split by '/', e.g. mlp/attn,mlp")
+    p.add_argument("--also-plans", default=None, metavar="A.json,B.json",
+                   help="more models: DHelix with each of these plan files (e.g. plans "
+                        "made from different profiles of one link, to see which runs "
+                        "faster)")
     p.add_argument("--halves", action="store_true",
                    help="a model: DHelix planned the same way with --dhelix-halves")
     p.add_argument("--phases", action="store_true",
@@ -93,6 +98,9 @@ def main():
         name = "dhelix-keep" + (f"-{parts}" if parts else "")
         cfgs[name] = train_config_from_args(parser.parse_args(
             argv + planned + ["--dhelix-keep-gathered"] + ([parts] if parts else [])))
+    for k, path in enumerate(a.also_plans.split(",") if a.also_plans else []):
+        cfgs[f"dhelix-{os.path.splitext(os.path.basename(path))[0]}"] = \
+            train_config_from_args(parser.parse_args(argv + ["--dhelix", "--dhelix-plan", path]))
     if a.halves:
         cfgs["dhelix-halves"] = train_config_from_args(
             parser.parse_args(argv + planned + ["--dhelix-halves"]))

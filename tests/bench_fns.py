@@ -13,7 +13,8 @@ def run_bench(tmp_path, config, *extra):
     r = subprocess.run([sys.executable, "-m", "dhelix.cli", "bench", "--configs", config,
                         "--links", "none", "--nproc", "2", "--tensor-model-parallel-size", "1",
                         "--seq-length", "32", "--num-microbatches", "4", "--train-iters", "2",
-                        "--profile-repeats", "1", "--out", out, *extra],
+                        "--profile-repeats", "1", "--profile-runs", "1", "--out", out,
+                        *extra],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.load(open(out + ".json"))["rows"]

@@ -274,3 +274,33 @@ def test_alpha_rotation_model_experiment():
     assert rot0.meta["predicted_s"] == own.meta["predicted_s"]
     with pytest.raises(ValueError, match="rotation"):
         mod.rotated_forward(layer, len(layer.forward))
+
+
+def test_min_of_runs_keeps_each_entrys_smallest_median():
+    """Profiling runs merged: every entry (alone, pairs, in-step, host times, step
+    extras) the smallest of the runs'; runs of another layer or with other entries
+    refused, naming the run."""
+    from dataclasses import replace
+    from dhelix.planner.costs import StepExtras, min_of_runs
+    layer = tp_sp_layer()
+    rng = random.Random(11)
+    a, b = random_table(layer, rng), random_table(layer, rng)
+    for t in (a, b):
+        t.in_step_f = {k: rng.uniform(1e-4, 1e-3) for k in t.alone_f}
+        t.host_b = {k: rng.uniform(1e-5, 1e-4) for k in t.alone_b}
+        t.step_extras = StepExtras(*(rng.uniform(1e-3, 1e-2) for _ in range(6)),
+                                   num_layers=4, zero_grad_s=rng.uniform(0, 1e-3))
+    m = min_of_runs([a, b])
+    for fld in ("alone_f", "alone_b", "pair", "in_step_f", "host_b"):
+        assert getattr(m, fld) == {k: min(getattr(a, fld)[k], getattr(b, fld)[k])
+                                   for k in getattr(a, fld)}, fld
+    assert m.step_extras.optimizer_s == min(a.step_extras.optimizer_s, b.step_extras.optimizer_s)
+    assert m.step_extras.zero_grad_s == min(a.step_extras.zero_grad_s, b.step_extras.zero_grad_s)
+    assert m.step_extras.num_layers == 4 and m.provenance["runs"] == 2
+    assert m.signature == a.signature
+    other = replace(b, signature="0123456789abcdef")
+    with pytest.raises(TableError, match="run 2: layer signature"):
+        min_of_runs([a, other])
+    fewer = replace(b, pair=dict(list(b.pair.items())[1:]))
+    with pytest.raises(TableError, match="b.json: its pair entries differ"):
+        min_of_runs([a, fewer], ["a.json", "b.json"])

@@ -247,10 +247,18 @@ def test_phi_moe_is_planned_as_moe():
 
 def test_bench_expert_parallel_rows(tmp_path):
     """`dhelix bench --expert-model-parallel-size 2`: megatron, DHelix trivial and DHelix
-    with the planner's plan (from a MoE table profiled just before), the same losses."""
+    with the planner's plan (from a MoE table profiled just before, twice in rank
+    processes of their own and merged to each entry's smallest median), the same losses."""
+    import os
     from bench_fns import run_bench
-    rows, _, _ = run_bench(tmp_path, "tiny-moe", "--expert-model-parallel-size", "2",
-                           "--micro-batch-size", "2")
+    from dhelix.planner.costs import CostTable
+    rows, _, work = run_bench(tmp_path, "tiny-moe", "--expert-model-parallel-size", "2",
+                              "--micro-batch-size", "2", "--profile-runs", "2")
+    runs = [CostTable.load(os.path.join(work, f"table-tiny-moe-none.run{k}.json"))
+            for k in (1, 2)]
+    merged = CostTable.load(os.path.join(work, "table-tiny-moe-none.json"))
+    assert merged.provenance["runs"] == 2
+    assert merged.alone_b == {k: min(r.alone_b[k] for r in runs) for k in runs[0].alone_b}
     assert [x["method"] for x in rows] == ["megatron", "dhelix-trivial", "dhelix-plan"]
     assert len({x["final_loss"] for x in rows}) == 1
     assert rows[0]["layer_comm_s"] > 0           # the all-to-alls are in the trace

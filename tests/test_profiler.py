@@ -74,3 +74,26 @@ def _ranks(x):
     for v in np.unique(x):
         r[x == v] = r[x == v].mean()
     return r
+
+
+def test_profile_runs_merge_to_each_entrys_smallest_median(tmp_path):
+    """`dhelix profile --nproc 2 --runs 2`: two profiles in rank processes of their own,
+    kept as NAME.runK.json, and the table every entry's smaller median (provenance says
+    so); `--runs 2` without --nproc, and --runs 0, a one-line error."""
+    out = tmp_path / "t.json"
+    r = _dhelix("profile", *SHAPE, "--warmup", "0", "--repeats", "1", "--no-step-extras",
+                "--runs", "2", "--out", str(out))
+    assert "2 runs merged" in r.stdout and "differed by up to" in r.stdout
+    runs = [CostTable.load(str(tmp_path / f"t.run{k}.json")) for k in (1, 2)]
+    t = CostTable.load(str(out))
+    assert t.provenance["runs"] == 2
+    for fld in ("alone_f", "alone_b", "in_step_f", "in_step_b", "pair"):
+        got = getattr(t, fld)
+        assert got and got == {k: min(getattr(x, fld)[k] for x in runs) for k in got}, fld
+    assert (tmp_path / "t.csv").exists()
+    for bad, msg in (("2", "give --nproc"), ("0", "1 or more")):
+        r = subprocess.run([sys.executable, "-m", "dhelix.cli", "profile", *SHAPE, "--runs", bad],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, \
+            r.stderr
+

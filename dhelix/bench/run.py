@@ -64,6 +64,8 @@ class BenchOptions:
     rounds: int = 1                           # every method this many times, alternating
     planner_source: str = "table"             # "table" (profiled) or "analytical"
     profile_repeats: int = 3
+    profile_runs: int = 2                     # profiles in rank processes of their own,
+    #                                            merged to each entry's smallest median
     dhelix_mlp_chunks: int = 1                # > 1: the planned runs' MLP in chunks
     dhelix_keep_gathered: object = False      # one more planned run, keeping the gathers
     #                                            (True: both parts, or "attn" / "mlp")
@@ -233,6 +235,26 @@ def _profile_argv(a, cfg, out_table, chunks=1):
             "--context-parallel-size", str(a.context_parallel_size)]
 
 
+def _profile(a, cfg, out_table, nproc, chunks, prefix, env, log, what) -> None:
+    """`dhelix profile` of the layer into `out_table`, `a.profile_runs` times in rank
+    processes of their own, merged to each entry's smallest median (`min_of_runs`:
+    some rank processes run the MLP's ops 2-5x slower for a whole profile here)."""
+    from dhelix.planner.costs import CostTable, min_of_runs
+    from dhelix.train.dist import spawn_local
+    runs = max(1, a.profile_runs)
+    stem = os.path.splitext(out_table)[0]
+    paths = [out_table] if runs == 1 else [f"{stem}.run{k + 1}.json" for k in range(runs)]
+    for path in paths:
+        rc = spawn_local(nproc, _profile_argv(a, cfg, path, chunks), prefix=prefix,
+                         extra_env=env, timeout_s=3600, log=log)
+        if rc != 0:
+            raise RuntimeError(f"{what}: dhelix profile failed (exit {rc}); see {log}")
+    if runs > 1:
+        merged = min_of_runs([CostTable.load(p) for p in paths], paths)
+        merged.save(out_table)
+        merged.write_csv(stem + ".csv")
+
+
 def _trace_totals(path: str) -> Dict[str, float]:
     from dhelix.strand.trace import LANE_TID     # not the link track: a lane's ops only
     with open(path) as f:
@@ -302,27 +324,16 @@ def run_bench(a: BenchOptions) -> int:
                         cluster = os.path.join(work, f"table-{cfg}-{link}.json")
                         bar.set_postfix_str(f"{cfg} {link} profile")
                         # the layer's TP (× EP × CP) groups alone: the table is per layer
-                        rc = spawn_local(a.tensor_model_parallel_size *
-                                         a.expert_model_parallel_size *
-                                         a.context_parallel_size,
-                                         _profile_argv(a, cfg, cluster), prefix=prefix,
-                                         extra_env=env, timeout_s=3600, log=log)
-                        if rc != 0:
-                            raise RuntimeError(f"{cfg} {link}: dhelix profile failed "
-                                               f"(exit {rc}); see {log}")
+                        _profile(a, cfg, cluster, a.tensor_model_parallel_size *
+                                 a.expert_model_parallel_size * a.context_parallel_size,
+                                 1, prefix, env, log, f"{cfg} {link}")
                         bar.update(1)
                         if chunked:     # the chunked run's layer: its MLP in chunks
                             planned = os.path.join(work, f"table-{cfg}-{link}-chunks.json")
                             bar.set_postfix_str(f"{cfg} {link} profile (MLP chunks)")
-                            rc = spawn_local(a.tensor_model_parallel_size,
-                                             _profile_argv(a, cfg, planned,
-                                                           a.dhelix_mlp_chunks),
-                                             prefix=prefix, extra_env=env, timeout_s=3600,
-                                             log=log)
-                            if rc != 0:
-                                raise RuntimeError(f"{cfg} {link}: dhelix profile "
-                                                   f"--dhelix-mlp-chunks failed (exit {rc}); "
-                                                   f"see {log}")
+                            _profile(a, cfg, planned, a.tensor_model_parallel_size,
+                                     a.dhelix_mlp_chunks, prefix, env, log,
+                                     f"{cfg} {link} --dhelix-mlp-chunks")
                             bar.update(1)
                     else:
                         cluster = machine_cluster(link, os.path.join(work, f"cl-{link}.yaml"))

@@ -52,6 +52,10 @@ def add_parser(sub) -> None:
                         "before (DHelix's way), or from the analytical model of this machine")
     p.add_argument("--profile-repeats", type=int, default=D.profile_repeats,
                    help="timed repeats per op and pair in the profile (default: %(default)s)")
+    p.add_argument("--profile-runs", type=int, default=D.profile_runs, metavar="N",
+                   help="profile N times, each in rank processes of its own, and plan from "
+                        "every entry's smallest median (`dhelix profile --runs`; default: "
+                        "%(default)s)")
     p.add_argument("--dhelix-mlp-chunks", type=int, default=D.dhelix_mlp_chunks,
                    metavar="C", help="C > 1: one more method, dhelix-chunks: the planned "
                    "run with each layer's MLP forward in C token chunks, planned from a "

@@ -18,15 +18,20 @@ def fail(cmd: str, e: BaseException) -> int:
 
 def strip_launch(argv: List[str]) -> List[str]:
     """The command line each rank gets: without the flags that start ranks."""
+    return strip_flags(argv, LAUNCH_FLAGS)
+
+
+def strip_flags(argv: List[str], flags) -> List[str]:
+    """`argv` without the options `flags` (each with its value, as `--f v` or `--f=v`)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in LAUNCH_FLAGS:
+        if a in flags:
             skip = True
             continue
-        if any(a.startswith(f + "=") for f in LAUNCH_FLAGS):
+        if any(a.startswith(f + "=") for f in flags):
             continue
         out.append(a)
     return out

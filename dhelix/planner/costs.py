@@ -48,7 +48,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from dhelix.planner.opspec import LayerOps, OpSpec
@@ -309,6 +309,45 @@ class CostTable:
                     w.writerow([fn, bn, _fmt(tf), _fmt(tb), _fmt(p), _fmt(oef)])
 
 
+def min_of_runs(tables: List["CostTable"], sources: Optional[List[str]] = None) -> "CostTable":
+    """The tables of several profiling runs of one layer (separate rank processes) as
+    one: every entry the smallest of the runs' medians. On CPU an op's time is only ever
+    stretched by what else the machine does, and in some rank processes the same ops ran
+    2-5x slower for a whole profile (their medians with them), so the minimum over
+    processes is the op's own time; a plan made from such a stretched table ran 4-10%
+    slower than one made from a clean table of the same link. Every run must hold the
+    same layer and the same entries."""
+    if not tables:
+        raise TableError("no profiling runs to merge")
+    names = sources or [f"run {k + 1}" for k in range(len(tables))]
+    first = tables[0]
+    for t, name in zip(tables[1:], names[1:]):
+        if t.signature != first.signature:
+            raise TableError(f"{name}: layer signature {t.signature}, {names[0]} has "
+                             f"{first.signature}: the runs profiled different layers")
+    fields = ("alone_f", "alone_b", "pair", "in_step_f", "in_step_b", "host_f", "host_b")
+    merged = {}
+    for fld in fields:
+        keys = set(getattr(first, fld))
+        for t, name in zip(tables[1:], names[1:]):
+            if set(getattr(t, fld)) != keys:
+                raise TableError(f"{name}: its {fld} entries differ from {names[0]}'s: the "
+                                 f"runs measured different ops (other --pairs?)")
+        merged[fld] = {k: min(getattr(t, fld)[k] for t in tables) for k in getattr(first, fld)}
+    extras = first.step_extras
+    if extras is not None:
+        if any(t.step_extras is None for t in tables):
+            raise TableError("some runs measured the step extras and some did not")
+        extras = replace(extras, **{f: min(getattr(t.step_extras, f) for t in tables)
+                                    for f in StepExtras.SECONDS + ("zero_grad_s",)})
+    prov = dict(first.provenance, runs=len(tables),
+                statistic="median per run, the minimum over runs")
+    return CostTable(first.signature, list(first.forward), list(first.backward),
+                     merged["alone_f"], merged["alone_b"], merged["pair"], prov,
+                     merged["in_step_f"], merged["in_step_b"], extras,
+                     merged["host_f"], merged["host_b"])
+
+
 def _ok(v) -> bool:
     return v is not None and math.isfinite(v) and v >= 0.0
 
@@ -326,4 +365,5 @@ def _fmt(v) -> str:
     return "" if v is None else repr(float(v))
 
 
-__all__ = ["CostTable", "StepExtras", "TableError", "TABLE_FORMAT", "TABLE_VERSION", "concurrent"]
+__all__ = ["CostTable", "StepExtras", "TableError", "TABLE_FORMAT", "TABLE_VERSION", "concurrent",
+           "min_of_runs"]
