@@ -4,7 +4,8 @@ of layer i+1, so that α's next layer's first gather may start beside β's long 
 planned as `dhelix plan` plans (β rotated and reordered where that pays).
 
     python scripts/alpha_rotation.py --table table.json --config small16 \\
-        --tensor-model-parallel-size 2 --seq-length 128 --micro-batch-size 4
+        --tensor-model-parallel-size 2 --sequence-parallel --seq-length 128 \\
+        --micro-batch-size 4
 
 Prints, per s, the planned pair's time and the co-step's time per layer pair. The schedule
 does not run α rotated: α's forward is megatron's own, node by node (a layer's output is
@@ -35,32 +36,30 @@ def rotated_forward(layer: LayerOps, s: int) -> LayerOps:
 
 
 def main():
+    from dhelix.cli.planner_args import add_shape_args, shape_from_args
+    from dhelix.models.config import load_model_config
     from dhelix.planner import dp
-    from dhelix.planner.problem import layer_for_shape, load_costs, make_shape
+    from dhelix.planner.problem import layer_for_shape, load_costs
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_shape_args(p, required=True)          # the layer, as `dhelix plan` takes it
     p.add_argument("--table", required=True)
-    p.add_argument("--config", default="small16")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=2)
-    p.add_argument("--seq-length", type=int, default=128)
-    p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--num-layers", type=int, default=16)
     p.add_argument("--rotations", default=None,
                    help="comma-separated s (default: every op of the forward chain)")
     a = p.parse_args()
-    shape = make_shape(a.config, tp=a.tensor_model_parallel_size, sp=True,
-                       seq=a.seq_length, mbs=a.micro_batch_size)
+    shape = shape_from_args(a)
     layer = layer_for_shape(shape)
     costs, _ = load_costs(layer, shape, a.table, None, False)
+    L = load_model_config(shape["config"]).num_layers
     names = [o.name for o in layer.forward]
     rots = range(len(names)) if a.rotations is None else \
         [int(x) for x in a.rotations.split(",")]
     for s in rots:
         # force: the rotated chain has another signature, the same ops as the table's
         q = dp.plan(rotated_forward(layer, s), costs, rotate=True, reorder=True,
-                    num_layers=a.num_layers, force=True)
+                    num_layers=L, force=True)
         print(f"s={s:2d} ({names[s]:>8}): pair {q.meta['predicted_s'] * 1e3:7.2f} ms, "
-              f"co-step per layer pair {q.meta['co_step_predicted_s'] / a.num_layers * 1e3:7.2f} ms, "
+              f"co-step per layer pair {q.meta['co_step_predicted_s'] / L * 1e3:7.2f} ms, "
               f"β rotation {q.rotation}", flush=True)
 
 

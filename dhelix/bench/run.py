@@ -239,7 +239,7 @@ def _profile(a, cfg, out_table, nproc, chunks, prefix, env, log, what) -> None:
     """`dhelix profile` of the layer into `out_table`, `a.profile_runs` times in rank
     processes of their own, merged to each entry's smallest median (`min_of_runs`:
     some rank processes run the MLP's ops 2-5x slower for a whole profile here)."""
-    from dhelix.planner.costs import CostTable, min_of_runs
+    from dhelix.planner.costs import merge_run_files
     from dhelix.train.dist import spawn_local
     runs = max(1, a.profile_runs)
     stem = os.path.splitext(out_table)[0]
@@ -250,9 +250,7 @@ def _profile(a, cfg, out_table, nproc, chunks, prefix, env, log, what) -> None:
         if rc != 0:
             raise RuntimeError(f"{what}: dhelix profile failed (exit {rc}); see {log}")
     if runs > 1:
-        merged = min_of_runs([CostTable.load(p) for p in paths], paths)
-        merged.save(out_table)
-        merged.write_csv(stem + ".csv")
+        merge_run_files(paths, out_table)
 
 
 def _trace_totals(path: str) -> Dict[str, float]:

@@ -63,7 +63,7 @@ def _runs(a) -> int:
     """`--runs N`: N profiles, each on rank processes of its own, merged entry by entry
     to the smallest median (`costs.min_of_runs`)."""
     import os
-    from dhelix.planner.costs import CostTable, TableError, min_of_runs
+    from dhelix.planner.costs import TableError, merge_run_files
     base = strip_flags(a.argv, {"--runs", "--out"})
     stem = os.path.splitext(a.out)[0]
     paths = [f"{stem}.run{k + 1}.json" for k in range(a.runs)]
@@ -74,12 +74,9 @@ def _runs(a) -> int:
         if rc != 0:
             return rc
     try:
-        tables = [CostTable.load(p) for p in paths]
-        merged = min_of_runs(tables, paths)
+        merged, tables = merge_run_files(paths, a.out)
     except TableError as e:
         return fail("profile", e)
-    merged.save(a.out)
-    merged.write_csv(stem + ".csv")
     # how far apart the runs were: the largest ratio of one entry's medians
     spread = max(((max(getattr(t, f)[k] for t in tables) /
                    max(getattr(merged, f)[k], 1e-12), f"{f} {k}")

@@ -348,6 +348,17 @@ def min_of_runs(tables: List["CostTable"], sources: Optional[List[str]] = None) 
                      merged["host_f"], merged["host_b"])
 
 
+def merge_run_files(paths: List[str], out: str) -> Tuple["CostTable", List["CostTable"]]:
+    """Read the runs' tables `paths`, write their `min_of_runs` to `out` (and its .csv
+    view); returns (the merged table, the runs' tables)."""
+    import os
+    tables = [CostTable.load(p) for p in paths]
+    merged = min_of_runs(tables, paths)
+    merged.save(out)
+    merged.write_csv(os.path.splitext(out)[0] + ".csv")
+    return merged, tables
+
+
 def _ok(v) -> bool:
     return v is not None and math.isfinite(v) and v >= 0.0
 
@@ -366,4 +377,4 @@ def _fmt(v) -> str:
 
 
 __all__ = ["CostTable", "StepExtras", "TableError", "TABLE_FORMAT", "TABLE_VERSION", "concurrent",
-           "min_of_runs"]
+           "merge_run_files", "min_of_runs"]
