@@ -98,7 +98,7 @@ def main():
         name = "dhelix-keep" + (f"-{parts}" if parts else "")
         cfgs[name] = train_config_from_args(parser.parse_args(
             argv + planned + ["--dhelix-keep-gathered"] + ([parts] if parts else [])))
-    for k, path in enumerate(a.also_plans.split(",") if a.also_plans else []):
+    for path in (a.also_plans.split(",") if a.also_plans else []):
         cfgs[f"dhelix-{os.path.splitext(os.path.basename(path))[0]}"] = \
             train_config_from_args(parser.parse_args(argv + ["--dhelix", "--dhelix-plan", path]))
     if a.halves:
