@@ -107,6 +107,39 @@ def test_killed_rank_is_reported(tmp_path):
     assert "stopped" in err and "rank 0" in err, err
 
 
+def test_a_finished_rank_skips_the_interpreters_teardown(tmp_path):
+    """A rank whose work is done exits without Python's finalization, where torch's and
+    gloo's C++ threads can abort the process after every output was written (seen in CI:
+    "terminate called without an active exception", SIGABRT, after `profile` wrote its
+    table). Here an object that aborts when collected at teardown stands in for them; the
+    atexit handlers (the shared-memory segments' unlink) still run."""
+    marker = tmp_path / "atexit-ran"
+    code = ("import atexit, os, runpy, sys\n"
+            "class Bomb:\n    def __del__(self): os.abort()\n"
+            "sys.modules['builtins'].bomb = Bomb()\n"
+            f"atexit.register(lambda: open({str(marker)!r}, 'w').close())\n"
+            f"sys.argv = ['dhelix', 'plan', '--config', 'tiny', '--cluster', 'a40', "
+            f"'--out', {str(tmp_path / 'p.json')!r}]\n"
+            "runpy.run_module('dhelix.cli', run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "p.json").exists() and marker.exists()
+
+
+def test_a_death_after_the_work_is_said_to_be_at_exit(tmp_path, capsys):
+    """The launcher's summary tells a rank that died while exiting, its output written,
+    from one that never started (which it used to claim)."""
+    from dhelix.train.dist import _report_failure
+    _report_failure("dhelix profile", 1, -6, 2, str(tmp_path))
+    assert "before its first iteration" in capsys.readouterr().err
+    (tmp_path / "done.rank1").touch()
+    _report_failure("dhelix profile", 1, -6, 2, str(tmp_path))
+    err = capsys.readouterr().err
+    assert "rank 1 was killed by signal 6 (SIGABRT) after its work was done" in err, err
+    assert "first iteration" not in err
+
+
 def test_fold_help_and_error():
     r = dhelix("train", "--help")
     assert "U-folded pipeline" in " ".join(r.stdout.split())

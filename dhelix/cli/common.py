@@ -76,13 +76,14 @@ def run_here(cmd: str, body) -> int:
     DHelixArgError: all ValueErrors) is a one-line error and exit 2; the process group is
     torn down either way."""
     import torch.distributed as dist
-    from dhelix.train.dist import report_error
+    from dhelix.train.dist import report_done, report_error
     try:
         body()
         if dist.is_initialized():
             # every rank done before any tears down: a rank still holding an unfinished
             # send (megatron's last P2P isend) would otherwise abort in gloo at exit
             dist.barrier()
+        report_done()
     except ValueError as e:
         msg = f"dhelix {cmd}: error: {e}"
         if not report_error(msg):     # under --nproc the launcher prints it once

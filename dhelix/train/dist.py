@@ -273,7 +273,10 @@ def _report_failure(name: str, rank: int, code: Optional[int], nproc: int,
     else:
         how = f"exited with code {code}"
     it = rank_progress(status, rank)
-    at = f" at iteration {it}" if it is not None else " before its first iteration"
+    if rank_done(status, rank):
+        at = " after its work was done and written, while exiting"
+    else:
+        at = f" at iteration {it}" if it is not None else " before its first iteration"
     others = [r for r in range(nproc) if r != rank]
     stopped = f"; stopped the other rank{'s' if len(others) > 1 else ''} " \
               f"({', '.join(f'rank {r}' for r in others)})" if others else ""
@@ -286,6 +289,21 @@ def rank_progress(status: str, rank: int) -> Optional[int]:
             return int(f.read().strip() or 0)
     except (OSError, ValueError):
         return None
+
+
+def report_done() -> None:
+    """A rank records that its work is done and every rank passed the final barrier, so
+    a death after it (while the interpreter shuts down) is reported as such."""
+    status = os.environ.get("DHELIX_RANK_STATUS")
+    if status:
+        try:
+            open(os.path.join(status, f"done.rank{os.environ.get('RANK', '0')}"), "w").close()
+        except OSError:
+            pass
+
+
+def rank_done(status: str, rank: int) -> bool:
+    return os.path.exists(os.path.join(status, f"done.rank{rank}"))
 
 
 def report_progress(iteration: int) -> None:
