@@ -303,3 +303,48 @@ def test_plan_a_layer_that_keeps_its_gathers(tmp_path, capsys):
     assert rc == 0 and "gathered inputs kept (mlp)" in stdout, err
     with pytest.raises(SystemExit):
         run(["plan", *TINY, "--dhelix-keep-gathered", "fc1", "--table", table], capsys)
+
+
+def test_a_plan_that_gains_too_little_gives_way_to_the_trivial_plan(tmp_path, capsys):
+    """`--min-gain`: the planner's best co-step against the trivial plan's. Just above the
+    best plan's predicted gain the trivial plan is written (its meta says why, the
+    printout too); just below, the best plan; 0 never gives way; out of [0, 1) refused."""
+    out = str(tmp_path / "p.json")
+    assert run(["plan", *TINY, "--cluster", "a800", "--out", out, "--min-gain", "0"],
+               capsys)[0] == 0
+    best = Plan.load(out)
+    m = best.meta
+    gain = m["co_step_layers"] * m["trivial_predicted_s"] / m["co_step_predicted_s"] - 1
+    assert gain > 0.002 and best.num_paired() > 0 and "kept_trivial" not in m
+    rc, stdout, _ = run(["plan", *TINY, "--cluster", "a800", "--out", out,
+                         "--min-gain", f"{gain + 0.001:.6f}"], capsys)
+    assert rc == 0
+    triv = Plan.load(out)
+    validate(triv, tiny_layer())
+    assert triv.num_paired() == 0 and triv.rotation == 0
+    assert triv.meta["kept_trivial"]["gain"] == pytest.approx(gain)
+    assert triv.meta["predicted_s"] == triv.meta["trivial_predicted_s"]
+    assert "kept the trivial plan" in stdout and f"{gain * 100:.1f}%" in stdout
+    assert run(["plan", *TINY, "--cluster", "a800", "--out", out,
+                "--min-gain", f"{gain - 0.001:.6f}"], capsys)[0] == 0
+    assert Plan.load(out).steps == best.steps
+    rc, _, err = run(["plan", *TINY, "--cluster", "a800", "--min-gain", "1.5"], capsys)
+    assert rc == 2 and "--min-gain 1.5" in err
+
+
+def test_a_run_says_when_it_keeps_the_trivial_plan(monkeypatch, capsys):
+    """`dhelix train --dhelix --dhelix-cluster/--dhelix-overlap-table`: the plan book plans
+    with `dp.MIN_GAIN`; a layer given the trivial plan for it says so on stdout."""
+    from dhelix.planner import dp
+    from dhelix.schedules.plans import plan_book_from_options
+    book = plan_book_from_options({"cluster": "a800"}, 128, 2)
+    ops = tiny_layer()
+    ops.co_step_layers = 2
+    monkeypatch.setattr(dp, "MIN_GAIN", 0.0)
+    assert book.make_plan(ops).num_paired() > 0
+    assert "trivial" not in capsys.readouterr().out
+    monkeypatch.setattr(dp, "MIN_GAIN", 0.99)
+    p = book.make_plan(ops)
+    assert p.num_paired() == 0 and p.meta["kept_trivial"]["min_gain"] == 0.99
+    out = capsys.readouterr().out
+    assert "a800" in out and "running the trivial plan" in out

@@ -33,7 +33,7 @@ def layer_prediction(a, cfg, cost_source) -> float:
     run used."""
     from dhelix.planner import dp
     layer, costs = layer_costs(a, cfg, cost_source)
-    meta = dp.plan(layer, costs, rotate=True, reorder=True).meta
+    meta = dp.plan(layer, costs, rotate=True, reorder=True, min_gain=dp.MIN_GAIN).meta
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
@@ -49,7 +49,8 @@ def planned_step(a, cfg, cost_source, keep=False, halves=False, plan=None):
     if costs.step_extras is None:
         return None
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
-    plan = plan or dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L)
+    plan = plan or dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L,
+                           min_gain=dp.MIN_GAIN)      # what the run plans
     return simulate_step(layer, plan, costs, L, N, costs.step_extras,
                          alone=halves_alone(layer, costs) if halves else plan_steps_alone)
 
@@ -70,7 +71,8 @@ def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
         return {}
     from dhelix.planner import dp
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
-    plan = dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L)   # planned once
+    plan = dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L,
+                   min_gain=dp.MIN_GAIN)                            # planned once
     return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
             "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
             "dhelix-plan": planned_step(a, cfg, cost_source, plan=plan),
@@ -83,7 +85,8 @@ def pp_simulate(a, cfg, link, cost_source) -> dict:
     from dhelix.planner import dp
     tp = a.tensor_model_parallel_size
     layer, costs = layer_costs(a, cfg, cost_source)
-    lc = LayerCosts.from_plan(layer, dp.plan(layer, costs, rotate=True, reorder=True), costs)
+    lc = LayerCosts.from_plan(layer, dp.plan(layer, costs, rotate=True, reorder=True,
+                                             min_gain=dp.MIN_GAIN), costs)
     m = load_model_config(cfg)
     G = a.pipeline_model_parallel_size
     lk = parse_link(link)

@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
                    help="plan β's node in the chain's (megatron's) order only (by default "
                         "the planner also moves re-gathers and wgrads within the node, "
                         "e.g. a re-gather issued early to fill the link; docs/planner.md)")
+    p.add_argument("--min-gain", type=float, default=None, metavar="F",
+                   help="write the trivial plan when the best plan's co-step is predicted "
+                        "to gain less than this share over it (default 0.02, what `dhelix "
+                        "train --dhelix` uses; 0 keeps the best plan always; not with "
+                        "--memory-budget)")
     p.add_argument("--out", default="plan.json", metavar="PLAN.json",
                    help="where to write the plan (default plan.json)")
     p.set_defaults(func=run)
@@ -42,8 +47,11 @@ def run(a) -> int:
     try:
         shape = shape_from_args(a)
         budget = None if a.memory_budget is None else parse_bytes(a.memory_budget, "--memory-budget")
+        if a.min_gain is not None and not 0 <= a.min_gain < 1:
+            raise InputError(f"--min-gain {a.min_gain}: must be in [0, 1) (a share: 0.02 "
+                             f"is 2%)")
         p, layer = make_plan(shape, a.table, a.cluster, budget, a.backend, a.force,
-                             rotate=a.rotate, reorder=a.reorder)
+                             rotate=a.rotate, reorder=a.reorder, min_gain=a.min_gain)
     except expected_errors() as e:
         return fail("plan", readable_budget_error(e))
     try:
@@ -62,6 +70,11 @@ def run(a) -> int:
     print(f"steps:                {len(p.steps)} ({p.num_paired()} paired)")
     print(f"predicted layer step: {fmt_time(t)}  (trivial plan {fmt_time(triv)}, "
           f"speedup {triv / t if t > 0 else 1.0:.3f}x)")
+    kept = m.get("kept_trivial")
+    if kept:
+        print(f"kept the trivial plan: the best plan's co-step ({fmt_time(kept['best_co_step_s'])}"
+              f" for {m['co_step_layers']} layers) gains {kept['gain'] * 100:.1f}% over it, "
+              f"under --min-gain {kept['min_gain']:g}")
     if p.rotation:
         print(f"rotation:             {p.rotation} (unrotated plan "
               f"{fmt_time(m['unrotated_predicted_s'])}; a co-step of {m['co_step_layers']} "

@@ -72,12 +72,30 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
                                          group_sizes_of(layer_ops.shape, layer_ops),
                                          dtype="bf16" if layer_ops.shape["dtype_bytes"] == 2
                                          else "fp32")
-            return dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force,
+            plan = dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force,
                            rotate=True, reorder=True,
-                           num_layers=getattr(layer_ops, "co_step_layers", None))
+                           num_layers=getattr(layer_ops, "co_step_layers", None),
+                           min_gain=dp.MIN_GAIN)
+            say_kept_trivial(plan, table_path or cluster)
+            return plan
         return PlanBook(seq_length, micro_batch_size, make_plan=make,
                         source=table_path or cluster)
     return PlanBook(seq_length, micro_batch_size, make_plan=paired_plan, source="built-in")
+
+
+def say_kept_trivial(plan: Plan, source: str) -> None:
+    """One line on rank 0 when the planner gave the trivial plan the layer (`dp.keep_trivial`):
+    nothing worth pairing was predicted, so the run is not silently unpaired."""
+    kept = plan.meta.get("kept_trivial")
+    if not kept:
+        return
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    print(f"dhelix: planned from {source}: the best plan gains {kept['gain'] * 100:.1f}% "
+          f"over the trivial plan (under {kept['min_gain'] * 100:g}%): running the trivial "
+          f"plan (`dhelix plan --min-gain 0` writes the best one for --dhelix-plan)",
+          flush=True)
 
 
 def check_hardware(table, path: str, force: bool) -> None:

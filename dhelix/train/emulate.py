@@ -449,7 +449,8 @@ def plan_maker(pacer: Pacer, path: Optional[str] = None):
             p = Plan.load(path)
             validate(p, pacer.emulated, f"{path} (--dhelix-plan, for the --emulate shape)")
         else:
-            p = dp.plan(pacer.emulated, pacer.table, rotate=True, reorder=True)
+            p = dp.plan(pacer.emulated, pacer.table, rotate=True, reorder=True,
+                            min_gain=dp.MIN_GAIN)
         return Plan(live.signature(), [o.name for o in live.forward], list(p.backward),
                     p.steps, dict(p.meta, planned_for=pacer.emulated.signature()),
                     p.rotation)
