@@ -334,16 +334,16 @@ def test_a_plan_that_gains_too_little_gives_way_to_the_trivial_plan(tmp_path, ca
 
 def test_a_run_says_when_it_keeps_the_trivial_plan(monkeypatch, capsys):
     """`dhelix train --dhelix --dhelix-cluster/--dhelix-overlap-table`: the plan book plans
-    with `dp.MIN_GAIN`; a layer given the trivial plan for it says so on stdout."""
-    from dhelix.planner import dp
+    with `min_gain.MIN_GAIN`; a layer given the trivial plan for it says so on stdout."""
+    from dhelix.planner import min_gain
     from dhelix.schedules.plans import plan_book_from_options
     book = plan_book_from_options({"cluster": "a800"}, 128, 2)
     ops = tiny_layer()
     ops.co_step_layers = 2
-    monkeypatch.setattr(dp, "MIN_GAIN", 0.0)
+    monkeypatch.setattr(min_gain, "MIN_GAIN", 0.0)
     assert book.make_plan(ops).num_paired() > 0
     assert "trivial" not in capsys.readouterr().out
-    monkeypatch.setattr(dp, "MIN_GAIN", 0.99)
+    monkeypatch.setattr(min_gain, "MIN_GAIN", 0.99)
     p = book.make_plan(ops)
     assert p.num_paired() == 0 and p.meta["kept_trivial"]["min_gain"] == 0.99
     out = capsys.readouterr().out

@@ -32,8 +32,9 @@ def layer_prediction(a, cfg, cost_source) -> float:
     """The simulator's layer speedup (trivial plan / planned) from the costs the planned
     run used."""
     from dhelix.planner import dp
+    from dhelix.planner.min_gain import MIN_GAIN
     layer, costs = layer_costs(a, cfg, cost_source)
-    meta = dp.plan(layer, costs, rotate=True, reorder=True, min_gain=dp.MIN_GAIN).meta
+    meta = dp.plan(layer, costs, rotate=True, reorder=True, min_gain=MIN_GAIN).meta
     return meta["trivial_predicted_s"] / meta["predicted_s"]
 
 
@@ -44,13 +45,14 @@ def planned_step(a, cfg, cost_source, keep=False, halves=False, plan=None):
     extras. `plan`: the planner's plan for that layer and table, if already made."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
+    from dhelix.planner.min_gain import MIN_GAIN
     from dhelix.planner.whole_step import halves_alone, plan_steps_alone, simulate_step
     layer, costs = layer_costs(a, cfg, cost_source, keep=keep)
     if costs.step_extras is None:
         return None
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
     plan = plan or dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L,
-                           min_gain=dp.MIN_GAIN)      # what the run plans
+                           min_gain=MIN_GAIN)      # what the run plans
     return simulate_step(layer, plan, costs, L, N, costs.step_extras,
                          alone=halves_alone(layer, costs) if halves else plan_steps_alone)
 
@@ -70,9 +72,10 @@ def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
     if ex is None:
         return {}
     from dhelix.planner import dp
+    from dhelix.planner.min_gain import MIN_GAIN
     L, N = load_model_config(cfg).num_layers, a.num_microbatches
     plan = dp.plan(layer, costs, rotate=True, reorder=True, num_layers=L,
-                   min_gain=dp.MIN_GAIN)                            # planned once
+                   min_gain=MIN_GAIN)                            # planned once
     return {"megatron": simulate_megatron_step(layer, costs, L, N, ex),
             "dhelix-trivial": simulate_step(layer, trivial_plan(layer), costs, L, N, ex),
             "dhelix-plan": planned_step(a, cfg, cost_source, plan=plan),
@@ -83,10 +86,11 @@ def pp_simulate(a, cfg, link, cost_source) -> dict:
     from dhelix.planner.pipeline import LayerCosts, simulate_pipeline
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
+    from dhelix.planner.min_gain import MIN_GAIN
     tp = a.tensor_model_parallel_size
     layer, costs = layer_costs(a, cfg, cost_source)
     lc = LayerCosts.from_plan(layer, dp.plan(layer, costs, rotate=True, reorder=True,
-                                             min_gain=dp.MIN_GAIN), costs)
+                                             min_gain=MIN_GAIN), costs)
     m = load_model_config(cfg)
     G = a.pipeline_model_parallel_size
     lk = parse_link(link)

@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - depends on the build
     _core = None
 
 from dhelix.planner.enumerate import INF, StepCost, StepIdx, legal_order  # noqa: E402
+from dhelix.planner.min_gain import keep_trivial  # noqa: E402
 
 
 def cpp_available() -> bool:
@@ -312,38 +313,6 @@ def plan(layer: LayerOps, table: Optional[CostTable] = None, *,
     meta["planning_time_s"] = time.perf_counter() - t_start
     return keep_trivial(best, layer, table, min_gain, base_bytes, force) if min_gain > 0 \
         else best
-
-
-# a plan predicted to gain less than this over the trivial plan is not run (`dhelix train`,
-# `dhelix plan`): the simulator's error between two plans is of this order, and where
-# there is nothing to hide (a free link) a near-tie plan measured slower than the trivial
-# one (docs/results.md, 2026-12-06), whose cost is known (≈ megatron's)
-MIN_GAIN = 0.02
-
-
-def keep_trivial(best: Plan, layer: LayerOps, table: CostTable, min_gain: float,
-                 base_bytes: Optional[float] = None, force: bool = False) -> Plan:
-    """`best`, or the trivial plan when `best`'s co-step of the model's layers is predicted
-    under (1 + min_gain) times faster than the trivial plan's; the trivial plan's meta
-    says so (`kept_trivial`: the best plan's prediction, its gain, the threshold)."""
-    from dhelix.planner.simulate import simulate
-    m = best.meta
-    L = m.get("co_step_layers", 1)
-    triv_t = m["trivial_predicted_s"]
-    best_co = m.get("co_step_predicted_s", L * m["predicted_s"])
-    gain = (L * triv_t) / best_co - 1.0 if best_co > 0 else 0.0
-    if gain >= min_gain:
-        return best
-    triv = trivial_plan(layer)
-    sim = simulate(layer, triv, table, base_bytes=base_bytes, force=force)
-    keep = ("made_by", "backend", "table_provenance", "co_step_layers", "planning_time_s")
-    meta = {k: m[k] for k in keep if k in m}
-    meta.update(predicted_s=triv_t, trivial_predicted_s=triv_t, speedup_vs_trivial=1.0,
-                co_step_predicted_s=L * triv_t, predicted_peak_bytes=sim.peak_bytes,
-                num_steps=len(triv.steps),
-                kept_trivial={"best_co_step_s": best_co, "gain": gain,
-                              "min_gain": min_gain})
-    return new_plan(layer, triv.steps, meta)
 
 
 def _climb_order(layer: LayerOps, table: CostTable, base_bytes, backend: str,

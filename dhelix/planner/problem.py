@@ -290,16 +290,17 @@ def make_plan(shape: dict, table: Optional[str] = None, cluster: Optional[str] =
     source in the plan's meta (what `dhelix simulate` and `dhelix train` read back).
     With `rotate`, rotations of β's chain are tried for a co-step of the model's layers;
     with `reorder`, other orders of β's node (`dp.plan`); a plan predicted to gain less
-    than `min_gain` (default `dp.MIN_GAIN`, not with a memory budget) over the trivial plan
+    than `min_gain` (default `min_gain.MIN_GAIN`, not with a memory budget) over the trivial plan
     gives way to it."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
+    from dhelix.planner.min_gain import MIN_GAIN
     layer = layer_for_shape(shape, node_size(cluster))
     costs, src = load_costs(layer, shape, table, cluster, force)
     p = dp.plan(layer, costs, memory_budget_bytes=memory_budget, backend=backend, force=force,
                 rotate=rotate, reorder=reorder,
                 num_layers=load_model_config(shape["config"]).num_layers,
-                min_gain=dp.MIN_GAIN if min_gain is None else min_gain)
+                min_gain=MIN_GAIN if min_gain is None else min_gain)
     p.meta["layer"] = layer.to_json()
     p.meta["shape"] = dict(shape)
     p.meta["cost_source"] = src

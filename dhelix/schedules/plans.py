@@ -57,6 +57,7 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
 
         def make(layer_ops):
             from dhelix.planner import dp
+            from dhelix.planner.min_gain import MIN_GAIN
             from dhelix.planner.costs import CostTable
             if table_path:
                 table = CostTable.load(table_path, layer=layer_ops, force=force,
@@ -75,7 +76,7 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
             plan = dp.plan(layer_ops, table, memory_budget_bytes=budget, force=force,
                            rotate=True, reorder=True,
                            num_layers=getattr(layer_ops, "co_step_layers", None),
-                           min_gain=dp.MIN_GAIN)
+                           min_gain=MIN_GAIN)
             say_kept_trivial(plan, table_path or cluster)
             return plan
         return PlanBook(seq_length, micro_batch_size, make_plan=make,
@@ -84,7 +85,7 @@ def plan_book_from_options(opts: dict, seq_length: int, micro_batch_size: int) -
 
 
 def say_kept_trivial(plan: Plan, source: str) -> None:
-    """One line on rank 0 when the planner gave the trivial plan the layer (`dp.keep_trivial`):
+    """One line on rank 0 when the planner gave the trivial plan the layer (`min_gain.keep_trivial`):
     nothing worth pairing was predicted, so the run is not silently unpaired."""
     kept = plan.meta.get("kept_trivial")
     if not kept:

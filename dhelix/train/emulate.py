@@ -444,13 +444,14 @@ def plan_maker(pacer: Pacer, path: Optional[str] = None):
     ops have the same names."""
     def make(live: LayerOps):
         from dhelix.planner import dp
+        from dhelix.planner.min_gain import MIN_GAIN
         from dhelix.planner.plan import Plan, validate
         if path:
             p = Plan.load(path)
             validate(p, pacer.emulated, f"{path} (--dhelix-plan, for the --emulate shape)")
         else:
             p = dp.plan(pacer.emulated, pacer.table, rotate=True, reorder=True,
-                            min_gain=dp.MIN_GAIN)
+                        min_gain=MIN_GAIN)
         return Plan(live.signature(), [o.name for o in live.forward], list(p.backward),
                     p.steps, dict(p.meta, planned_for=pacer.emulated.signature()),
                     p.rotation)
