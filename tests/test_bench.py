@@ -101,3 +101,39 @@ def test_peer_waits_per_step_from_a_runs_link():
     assert peer_wait_per_step(r) == pytest.approx(0.1)
     assert peer_wait_per_step({"step_times_s": [1.0], "link": None}) is None
     assert peer_wait_per_step({"step_times_s": [1.0], "link": {"waited_s": 1.0}}) is None
+
+
+def test_rounds_pool_their_steps_and_keep_each_rounds_speedup(tmp_path):
+    """Three rounds of two methods: the pooled row's speedup is megatron's median over all
+    timed steps against the method's (each run's first step a warm-up); `round_speedups`
+    holds each round's ratio against megatron's run of the same round, and the table and
+    picture show them (one round: "-")."""
+    from dhelix.bench.report import plot, pool_round, rows, round_speedups
+    runs = {"megatron": [[9.0, 4.0, 4.0, 4.0], [9.0, 6.0, 6.0, 6.0], [9.0, 5.0, 5.0, 5.0]],
+            "dhelix-plan": [[9.0, 2.0, 2.0, 2.0], [9.0, 5.0, 5.0, 5.0], [9.0, 4.0, 4.0, 4.0]]}
+    res = {}
+    for rnd in range(3):
+        for m, steps in runs.items():
+            r = {"step_times_s": list(steps[rnd]), "tokens_per_s": 10.0 * (rnd + 1),
+                 "peak_memory_bytes": 100, "losses": [1.0], "peer_wait_s": 0.1 * rnd}
+            res[m] = pool_round(res.get(m), r, rnd)
+    plan = res["dhelix-plan"]
+    assert plan["step_times_s"] == [9.0] + [2.0] * 3 + [5.0] * 3 + [4.0] * 3
+    assert plan["round_step_s"] == [2.0, 5.0, 4.0]
+    assert plan["tokens_per_s"] == pytest.approx(20.0)
+    assert plan["peer_wait_s"] == pytest.approx(0.1)
+    assert round_speedups(res["megatron"], plan) == pytest.approx([2.0, 1.2, 1.25])
+    assert round_speedups({}, plan) == []          # a result pooled before rounds were kept
+    res["dhelix-trivial"] = res["megatron"]
+    tr = {"layer_compute_s": 2.0, "layer_comm_s": 2.0}
+    out = rows("small16", "paced:1gbit", res, tr, ("megatron", "dhelix-plan"))
+    row = out[1]
+    assert row["speedup"] == pytest.approx(5.0 / 4.0)
+    assert row["round_speedups"] == pytest.approx([2.0, 1.2, 1.25])
+    md = markdown(out)
+    assert "| 1.25x | 2.00 / 1.20 / 1.25 |" in md
+    assert "| 1.00x | 1.00 / 1.00 / 1.00 |" in md
+    one = dict(row, round_speedups=[1.25])
+    assert "| 1.25x | - |" in markdown([one])
+    plot(out, str(tmp_path / "b.png"), ("megatron", "dhelix-plan"))
+    assert (tmp_path / "b.png").stat().st_size > 1000

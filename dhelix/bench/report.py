@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from typing import List
+from typing import List, Optional
 
 from dhelix.bench.predict import pp_simulate
 
@@ -48,6 +48,29 @@ def step_time(r: dict) -> float:
     return statistics.median(ts)
 
 
+def pool_round(prev: Optional[dict], r: dict, rnd: int) -> dict:
+    """Round `rnd`'s run `r` of a method (a `dhelix train --json` result with its
+    `peer_wait_s`) pooled with the method's earlier rounds `prev` (None in round 0): the
+    timed steps of every round (each run's first step is its warm-up), tokens/s and peer
+    waits averaged over the rounds, and each round's own median step (`round_step_s`):
+    the machine drifts between rounds, so a row's per-round speedups, each against
+    megatron's run of the same round, show the spread the pooled median hides."""
+    r["round_step_s"] = (prev["round_step_s"] if prev else []) + [step_time(r)]
+    if prev is None:
+        return r
+    r["step_times_s"] = prev["step_times_s"] + r["step_times_s"][1:]
+    r["tokens_per_s"] = (prev["tokens_per_s"] * rnd + r["tokens_per_s"]) / (rnd + 1)
+    if r.get("peer_wait_s") is not None and prev.get("peer_wait_s") is not None:
+        r["peer_wait_s"] = (prev["peer_wait_s"] * rnd + r["peer_wait_s"]) / (rnd + 1)
+    return r
+
+
+def round_speedups(base: dict, r: dict) -> List[float]:
+    """Megatron's median step over the method's, round by round (empty for results
+    pooled before rounds were kept)."""
+    return [b / t for b, t in zip(base.get("round_step_s", []), r.get("round_step_s", []))]
+
+
 def rewrite(json_path: str, out: str) -> None:
     """Write the .md and .png of a finished bench again from its .json."""
     with open(json_path) as f:
@@ -79,6 +102,7 @@ def rows(cfg, link, res, tr, methods=METHODS, sim_layer=None,
             "config": cfg, "link": link, "method": m, "step_s": t,
             "tokens_per_s": res[m]["tokens_per_s"],
             "speedup": base / t,
+            "round_speedups": round_speedups(res["megatron"], res[m]),
             "peak_activation_bytes": res[m]["peak_memory_bytes"],
             "memory_vs_baseline": res[m]["peak_memory_bytes"] /
             res["megatron"]["peak_memory_bytes"],
@@ -140,20 +164,27 @@ def pp_markdown(rows) -> str:
 
 
 def markdown(rows) -> str:
-    lines = ["| model | link | method | tokens/s | speedup | step ms | predicted ms (error) | "
-             "lower bound ms | compute / comm ms (comm/compute) | exposed comm hidden | "
-             "peak act. vs base | sim. layer |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | link | method | tokens/s | speedup | per round | step ms | "
+             "predicted ms (error) | lower bound ms | compute / comm ms (comm/compute) | "
+             "exposed comm hidden | peak act. vs base | sim. layer |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         ratio = r["layer_comm_s"] / max(r["layer_compute_s"], 1e-12)
         lines.append(
             f"| {r['config']} | {r['link']} | {r['method']} | {r['tokens_per_s']:.0f} | "
-            f"{r['speedup']:.2f}x | {r['step_s'] * 1e3:.0f} | {_predicted(r)} | "
+            f"{r['speedup']:.2f}x | {_per_round(r)} | {r['step_s'] * 1e3:.0f} | "
+            f"{_predicted(r)} | "
             f"{r['lower_bound_s'] * 1e3:.0f} | "
             f"{r['layer_compute_s'] * 1e3:.0f} / {r['layer_comm_s'] * 1e3:.0f} ({ratio:.2f}) | "
             f"{r['hidden_share'] * 100:.0f}% | {r['memory_vs_baseline']:.2f}x | "
             f"{_x(r.get('sim_layer_speedup'))} |")
     return "\n".join(lines)
+
+
+def _per_round(r) -> str:
+    """The row's speedup in each round, in round order ("-" for one round)."""
+    rs = r.get("round_speedups") or []
+    return " / ".join(f"{v:.2f}" for v in rs) if len(rs) > 1 else "-"
 
 
 def _predicted(r) -> str:
@@ -180,6 +211,12 @@ def plot(rows, path, methods=METHODS, baseline="megatron-core"):
             sel = [next(r for r in rows if r["config"] == cfg and r["link"] == l and
                         r["method"] == m) for l in links]
             ax.plot(xs, [r["speedup"] for r in sel], marker="o", color=f"C{k}", label=m)
+            # each round's own speedup: the spread a pooled median hides
+            for x, r in zip(xs, sel):
+                rs = r.get("round_speedups") or []
+                if len(rs) > 1:
+                    ax.vlines(x + 0.04 * (k - len(methods) / 2), min(rs), max(rs),
+                              color=f"C{k}", linewidth=1.5, alpha=0.6)
             if any(r.get("sim_speedup") for r in sel):
                 ax.plot(xs, [r.get("sim_speedup") or float("nan") for r in sel],
                         linestyle="--", color=f"C{k}", label=f"{m} (simulated)")

@@ -359,15 +359,7 @@ def run_bench(a: BenchOptions) -> int:
                             if bad:
                                 wrong.append(f"{cfg} {link} round {rnd + 1}: {bad} ({out})")
                             r["peer_wait_s"] = report.peer_wait_per_step(r)
-                            if method in res:     # later rounds: pool the timed steps
-                                r["step_times_s"] = res[method]["step_times_s"] + \
-                                    r["step_times_s"][1:]
-                                r["tokens_per_s"] = (res[method]["tokens_per_s"] * rnd +
-                                                     r["tokens_per_s"]) / (rnd + 1)
-                                if r["peer_wait_s"] is not None:
-                                    r["peer_wait_s"] = (res[method]["peer_wait_s"] * rnd +
-                                                        r["peer_wait_s"]) / (rnd + 1)
-                            res[method] = r
+                            res[method] = report.pool_round(res.get(method), r, rnd)
                             bar.update(1)
                     if emu:
                         rows += emulated.rows(a, cfg, link, res, methods,
