@@ -292,3 +292,40 @@ def direct_lanes():
                      "modelled": link.modelled_s - m0}
     paced.DIRECT = True
     return out
+
+
+def profiled_host_times():
+    """`LayerHarness.time_comm_host` on a slow paced link: the comm ops' host times, and
+    for every wait it times (those after its second barrier of a repeat; the states it
+    builds in between run comms of their own) how long before its modelled end it came."""
+    from dhelix.links.paced import PacedWork
+    from dhelix.models.config import load_model_config
+    from dhelix.profiler.harness import LayerHarness
+    h = LayerHarness(load_model_config("tiny"), tp=2, sp=True, seq=32, mbs=2)
+    # a repeat: build the state (its own comms), barrier, issue the op, barrier, wait
+    timed = {"syncs": 0, "early_s": []}
+    sync = h._sync
+
+    def synced():
+        sync()
+        timed["syncs"] += 1
+    h._sync = synced
+    for name in ("fwd_state", "bwd_state"):
+        def fresh(k, build=getattr(h, name)):
+            timed["syncs"] = -1000          # not a timed wait: the state's own comms
+            S = build(k)
+            timed["syncs"] = 0
+            return S
+        setattr(h, name, fresh)
+    wait = PacedWork.wait
+
+    def timed_wait(self, timeout=None):
+        if timed["syncs"] >= 2:
+            timed["early_s"].append(self.done_at - time.perf_counter())
+        return wait(self, timeout)
+    PacedWork.wait = timed_wait
+    try:
+        host_f, host_b = h.time_comm_host(0, 3)
+    finally:
+        PacedWork.wait = wait
+    return {"host_f": host_f, "host_b": host_b, "early_s": timed["early_s"]}

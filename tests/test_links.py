@@ -346,3 +346,19 @@ def test_lanes_call_the_paced_link_directly():
     xs = [x0 * (r + 1) + 0.5 for r in (0, 1)]
     assert torch.equal(res[0][True]["ag"], torch.cat(xs))
     assert torch.equal(res[1][True]["rs"], (xs[0] + xs[1])[3:])
+
+
+def test_profiled_host_times_leave_out_the_wait_for_the_modelled_end():
+    """A comm op's host time (`dhelix profile`: issue + finish on the thread) is timed
+    once the link's modelled end has passed: on a link slow enough that every transfer
+    outlasts the ranks' barrier, every timed wait (3 repeats of each comm op) comes after
+    its modelled end, so none sleeps or spins toward it (which the thread clock would
+    count: ~45 µs a collective here). On the plain gloo lanes `dhelix profile` runs on
+    (the strict ones wait on a lane's thread, not the one timed)."""
+    env = {"DHELIX_LINK": "paced:10mbit", "DHELIX_LANES": "cpu"}
+    for res in run_ranks(link_fns.profiled_host_times, 2, env=env, timeout=240):
+        assert set(res["host_f"]) == {"ag_attn", "rs_attn", "ag_mlp", "rs_mlp"}
+        values = list(res["host_f"].values()) + list(res["host_b"].values())
+        assert all(0 < v < 1.0 for v in values)
+        assert len(res["early_s"]) == 3 * len(values)
+        assert max(res["early_s"]) <= 0.0
