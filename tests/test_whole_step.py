@@ -12,7 +12,7 @@ from dhelix.planner.example_layer import random_layer, random_table
 from dhelix.planner.plan import Plan, trivial_plan
 from dhelix.planner.simulate import LaneModel, simulate
 from dhelix.planner.whole_step import (extras_of, plan_makespan, plan_steps_alone, predict,
-                                       simulate_megatron_step, simulate_step)
+                                       simulate_megatron_step, simulate_step, thread_floor)
 from sim_fns import paired, table_for, two_op_layer
 
 
@@ -85,6 +85,45 @@ def test_whole_step_is_the_sum_of_lane_model_steps_on_random_plans():
             tf + tb - simulate(layer, triv, table).makespan))
         assert plan_steps_alone(model, triv) == pytest.approx((tf, tb))
         assert plan_makespan(model, plan) == pytest.approx(p)
+
+
+def test_thread_floor_is_the_threads_own_work_and_no_plan_goes_below_it():
+    """The thread floor: every compute op's in-step time plus every comm op's host time
+    (summed by hand here), per layer and for the whole step; on 60 random layers with host
+    times and random plans (rotated and reordered too), the plan's layer pair, its layers
+    alone and both whole steps never go below it, and the trivial plan's alone steps
+    reach it where no comm's wire time is exposed."""
+    rng = random.Random(5)
+    for _ in range(60):
+        layer = random_layer(rng)
+        table = random_table(layer, rng, host=True)
+        plan = enumerate_.random_legal_plan(layer, rng)
+        L, N = rng.randint(1, 5), rng.randint(1, 6)
+        fl = thread_floor(layer, table, L, N, EXTRAS)
+
+        def own(ops, T, H):
+            return sum(T.get(o.name, 0.0) if o.lane == "compute" else H.get(o.name, 0.0)
+                       for o in ops)
+        f = own(layer.forward, {**table.alone_f, **table.in_step_f}, table.host_f)
+        b = own(layer.backward, {**table.alone_b, **table.in_step_b}, table.host_b)
+        assert fl.layer_forward_s == pytest.approx(f)
+        assert fl.layer_backward_s == pytest.approx(b)
+        assert fl.pair_s == pytest.approx(f + b)
+        assert fl.step_s == pytest.approx(L * N * (f + b) + N * EXTRAS.per_microbatch() +
+                                          EXTRAS.per_step())
+        w = simulate_step(layer, plan, table, L, N, EXTRAS)
+        meg = simulate_megatron_step(layer, table, L, N, EXTRAS)
+        assert w.layer_pair_s >= fl.pair_s - 1e-12
+        assert w.layer_forward_s >= f - 1e-12 and w.layer_backward_s >= b - 1e-12
+        assert w.total_s >= fl.step_s - 1e-9 and meg.total_s >= fl.step_s - 1e-9
+    # a compute op beside a comm whose wire time is within its host time: at the floor
+    layer = two_op_layer("compute", "intra")
+    table = table_for(layer, 1.0, 2.0, 2.5)
+    table.host_b = {"b": 2.0}
+    fl = thread_floor(layer, table, 3, 1, EXTRAS)
+    assert (fl.layer_forward_s, fl.layer_backward_s) == (1.0, 2.0)
+    assert simulate_step(layer, trivial_plan(layer), table, 3, 1, EXTRAS).total_s == \
+        pytest.approx(fl.step_s)
 
 
 def test_whole_step_alone_cost_is_swappable_and_counts_are_checked():
@@ -184,6 +223,11 @@ def test_simulate_cli_whole_step(tmp_path, capsys):
     assert f"predicted step: DHelix {fmt_time(dh.total_s)}, megatron {fmt_time(mg.total_s)}" \
         in out
     assert f"speedup {mg.total_s / dh.total_s:.3f}x" in out
+    fl = thread_floor(layer, t, 2, 4, x)
+    assert f"thread floor (every compute op's time in a layer step + every comm op's host " \
+        f"work, nothing waited for): layer pair {fmt_time(fl.pair_s)}" in out
+    assert f"whole step {fmt_time(fl.step_s)}: no schedule of these ops on one thread beats " \
+        f"megatron's order by more than {mg.total_s / fl.step_s:.3f}x" in out
 
     # a table from before the extras: one line naming the table and the fix
     d = json.load(open(table))

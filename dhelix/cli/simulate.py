@@ -131,7 +131,7 @@ def _whole_step(a, layer, plan, costs, src, force):
     table's step extras; a table without them (or the analytical model) is an error that
     names the fix."""
     from dhelix.planner.costs import TableError
-    from dhelix.planner.whole_step import predict
+    from dhelix.planner.whole_step import predict, thread_floor
     if src.get("kind") != "table":
         raise TableError(f"--num-microbatches without a pipeline predicts the whole training "
                          f"step, which needs the embedding, loss, optimizer and finalize "
@@ -142,11 +142,14 @@ def _whole_step(a, layer, plan, costs, src, force):
         raise InputError(f"--num-microbatches {a.num_microbatches}: give at least 1")
     if a.num_layers is not None and a.num_layers < 1:
         raise InputError(f"--num-layers {a.num_layers}: give at least 1")
-    return predict(layer, plan, costs, a.num_microbatches, a.num_layers,
-                   source=src.get("path", "<table>"), force=force, halves=a.halves)
+    dh, mg = predict(layer, plan, costs, a.num_microbatches, a.num_layers,
+                     source=src.get("path", "<table>"), force=force, halves=a.halves)
+    floor = thread_floor(layer, costs, dh.num_layers, dh.num_microbatches, costs.step_extras,
+                         force=force)
+    return dh, mg, floor
 
 
-def _print_whole_step(dh, mg, src, extras) -> None:
+def _print_whole_step(dh, mg, floor, src, extras) -> None:
     print()
     print(f"whole step: {dh.num_layers} layers, {dh.num_microbatches} micro-batches, PP=1 "
           f"(embedding, loss, optimizer, finalize measured in {src.get('path')})")
@@ -162,6 +165,12 @@ def _print_whole_step(dh, mg, src, extras) -> None:
     speed = mg.total_s / dh.total_s if dh.total_s > 0 else 1.0
     print(f"predicted step: DHelix {fmt_time(dh.total_s)}, megatron {fmt_time(mg.total_s)}, "
           f"speedup {speed:.3f}x")
+    above = dh.layer_pair_s / floor.pair_s - 1 if floor.pair_s > 0 else 0.0
+    print(f"thread floor (every compute op's time in a layer step + every comm op's host "
+          f"work, nothing waited for): layer pair {fmt_time(floor.pair_s)} (this plan's "
+          f"{above * 100:+.1f}%), whole step {fmt_time(floor.step_s)}: no schedule of these "
+          f"ops on one thread beats megatron's order by more than "
+          f"{mg.total_s / floor.step_s:.3f}x")
     if extras.num_layers != dh.num_layers:
         print(f"note: the optimizer and finalize were timed on a model of "
               f"{extras.num_layers} layers, not {dh.num_layers}")

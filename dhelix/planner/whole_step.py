@@ -185,6 +185,42 @@ def simulate_megatron_step(layer: LayerOps, table: CostTable, num_layers: int,
     return _assemble("megatron", num_layers, N, N, N, 0, f, b, 0.0, extras)
 
 
+@dataclass
+class ThreadFloor:
+    """What the one thread that runs a step cannot avoid, whatever the plan: every compute
+    op for its time inside a layer step and every comm op for its host time (issuing it
+    and finishing it: on the paced link the shared-memory copies and sums), with nothing
+    waited for; plus the extras. A plan's layer pair above `pair_s` waits for the link or
+    for a comm its next op reads; none goes below it (a compute op is only ever stretched
+    beside a comm). On a GPU the host times are launches and the floor is the compute."""
+    layer_forward_s: float         # one layer's forward: compute + host work of its comms
+    layer_backward_s: float        # ... its backward
+    step_s: float                  # L × N × (forward + backward) + every extra
+
+    @property
+    def pair_s(self) -> float:
+        return self.layer_forward_s + self.layer_backward_s
+
+
+def thread_floor(layer: LayerOps, table: CostTable, num_layers: int, num_microbatches: int,
+                 extras: StepExtras, *, force: bool = False) -> ThreadFloor:
+    """The `ThreadFloor` of a step of `num_microbatches` micro-batches of `num_layers`
+    layers, from the durations and host times the lane model plays."""
+    _check_counts(num_layers, num_microbatches)
+    model = LaneModel(layer, table, force=force)
+
+    compute = {o.name for o in list(layer.forward) + list(layer.backward)
+               if o.lane == "compute"}
+
+    def thread(names, T, H):
+        return sum(t if n in compute else h for n, t, h in zip(names, T, H))
+    f = thread(model.f_names, model.f_T, model.f_H)
+    b = thread(model.b_names, model.b_T, model.b_H)
+    N = num_microbatches
+    return ThreadFloor(f, b, num_layers * N * (f + b) + N * extras.per_microbatch() +
+                       extras.per_step())
+
+
 def extras_of(table: CostTable, source: str = "<table>") -> StepExtras:
     """The table's step extras, or a TableError naming the file and the fix."""
     if table.step_extras is None:
@@ -210,7 +246,8 @@ def predict(layer: LayerOps, plan: Plan, table: CostTable, num_microbatches: int
             simulate_megatron_step(layer, table, L, num_microbatches, extras, force=force))
 
 
-__all__ = ["AloneCost", "WholeStep", "co_step_layers", "extras_of", "halves_alone",
+__all__ = ["AloneCost", "ThreadFloor", "WholeStep", "co_step_layers", "extras_of",
+           "halves_alone",
            "plan_makespan",
            "plan_steps_alone",
-           "predict", "simulate_megatron_step", "simulate_step"]
+           "predict", "simulate_megatron_step", "simulate_step", "thread_floor"]
