@@ -130,6 +130,7 @@ def test_rounds_pool_their_steps_and_keep_each_rounds_speedup(tmp_path):
     row = out[1]
     assert row["speedup"] == pytest.approx(5.0 / 4.0)
     assert row["round_speedups"] == pytest.approx([2.0, 1.2, 1.25])
+    assert row["thread_floor_s"] is None
     md = markdown(out)
     assert "| 1.25x | 2.00 / 1.20 / 1.25 |" in md
     assert "| 1.00x | 1.00 / 1.00 / 1.00 |" in md
@@ -137,3 +138,49 @@ def test_rounds_pool_their_steps_and_keep_each_rounds_speedup(tmp_path):
     assert "| 1.25x | - |" in markdown([one])
     plot(out, str(tmp_path / "b.png"), ("megatron", "dhelix-plan"))
     assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_bench_rows_carry_the_thread_floor_of_their_table(tmp_path):
+    """The bench's thread floor (`predict.step_floor`): the whole step's
+    `planner.whole_step.thread_floor` on the run's table and layer — the keeping layer's
+    (no backward re-gathers, so no host work for them) below the plain one's — shown after
+    the measured lower bound; none for the analytical model or a table without extras."""
+    import random
+    from types import SimpleNamespace
+
+    from dhelix.bench.predict import step_floor
+    from dhelix.bench.report import rows
+    from dhelix.planner.costs import StepExtras
+    from dhelix.planner.example_layer import random_table
+    from dhelix.planner.problem import layer_for_shape
+    from dhelix.planner.whole_step import thread_floor
+
+    a = SimpleNamespace(tensor_model_parallel_size=2, seq_length=32, micro_batch_size=2,
+                        expert_model_parallel_size=1, context_parallel_size=1,
+                        num_microbatches=4, dhelix_mlp_chunks=1)
+    shape = {"config": "tiny", "tp": 2, "sp": True, "seq": 32, "mbs": 2, "bf16": False,
+             "lane": "intra", "ep": 1, "cp": 1, "mlp_chunks": 1, "keep_gathered": False}
+    layer = layer_for_shape(shape)
+    table = random_table(layer, random.Random(3), host=True)
+    for ops, host in ((layer.forward, table.host_f), (layer.backward, table.host_b)):
+        for o in ops:                      # every comm op with some host work
+            if o.lane != "compute":
+                host[o.name] = host.get(o.name) or 0.01
+    path = str(tmp_path / "table.json")
+    table.save(path)
+    assert step_floor(a, "tiny", path) is None          # no step extras in it
+    ex = StepExtras(pre_fwd_s=0.01, pre_bwd_s=0.01, post_fwd_s=0.01, post_bwd_s=0.01,
+                    optimizer_s=0.1, finalize_s=0.01, num_layers=2, zero_grad_s=0.01)
+    table.step_extras = ex
+    table.save(path)
+    plain = step_floor(a, "tiny", path)
+    assert plain == pytest.approx(thread_floor(layer, table, 2, 4, ex).step_s)
+    kept = step_floor(a, "tiny", path, keep=True)
+    assert kept < plain
+    assert step_floor(a, "tiny", "this-machine") is None     # the analytical model
+    res = {m: {"step_times_s": [9.0, 2.0], "tokens_per_s": 1.0, "peak_memory_bytes": 1,
+               "losses": [1.0]} for m in ("megatron", "dhelix-trivial", "dhelix-plan")}
+    out = rows("tiny", "paced:1gbit", res, {"layer_compute_s": 1.0, "layer_comm_s": 0.5},
+               ("megatron", "dhelix-plan"), floors={"megatron": plain, "dhelix-plan": plain})
+    assert out[1]["thread_floor_s"] == plain
+    assert f"| {out[1]['lower_bound_s'] * 1e3:.0f} ({plain * 1e3:.0f}) |" in markdown(out)

@@ -57,6 +57,22 @@ def planned_step(a, cfg, cost_source, keep=False, halves=False, plan=None):
                          alone=halves_alone(layer, costs) if halves else plan_steps_alone)
 
 
+def step_floor(a, cfg, cost_source, keep=False):
+    """The thread floor of the bench's whole step (`planner.whole_step.thread_floor`: every
+    compute op's in-step time and every comm op's host work, nothing waited for, plus the
+    extras) on the profiled table `cost_source`, for its layer (keeping the gathers with
+    `keep`); None for the analytical model or a table without extras."""
+    if not cost_source.endswith(".json"):
+        return None
+    from dhelix.models.config import load_model_config
+    from dhelix.planner.whole_step import thread_floor
+    layer, costs = layer_costs(a, cfg, cost_source, keep=keep)
+    if costs.step_extras is None:
+        return None
+    return thread_floor(layer, costs, load_model_config(cfg).num_layers, a.num_microbatches,
+                        costs.step_extras).step_s
+
+
 def step_predictions(a, cfg, cost_source) -> Dict[str, object]:
     """method -> the whole step the simulator predicts for it (`planner.whole_step`), from
     the profiled table: its layer costs and its step extras (embedding, loss, optimizer,

@@ -373,9 +373,18 @@ def run_bench(a: BenchOptions) -> int:
                         if KEEP in methods:   # the plain layer's table serves it
                             preds[KEEP] = predict.planned_step(a, cfg, cluster,
                                                                  keep=a.dhelix_keep_gathered)
+                        # the thread floor of each method's layer and table
+                        floor = predict.step_floor(a, cfg, cluster)
+                        floors = {m: floor for m in methods}
+                        if planned:
+                            floors[CHUNKS] = predict.step_floor(a, cfg, planned)
+                        if KEEP in methods:
+                            floors[KEEP] = predict.step_floor(a, cfg, cluster,
+                                                              keep=a.dhelix_keep_gathered)
                         rows += report.rows(cfg, link, res,
                                             _trace_totals(trace_files(trace)[0]), methods,
-                                            predict.layer_prediction(a, cfg, cluster), preds)
+                                            predict.layer_prediction(a, cfg, cluster), preds,
+                                            floors)
     except NetnsError as e:
         print(f"dhelix bench: error: {e}", file=sys.stderr)
         return 2
