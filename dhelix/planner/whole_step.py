@@ -38,7 +38,7 @@ from typing import Callable, List, Optional, Tuple
 from dhelix.planner.costs import CostTable, StepExtras, TableError
 from dhelix.planner.opspec import LayerOps
 from dhelix.planner.plan import Plan, node_order, trivial_plan, validate
-from dhelix.planner.simulate import LaneModel
+from dhelix.planner.simulate import LANE_ID, LaneModel
 
 # (lane model, plan) -> (one layer's forward with no partner, its backward with none)
 AloneCost = Callable[[LaneModel, Plan], Tuple[float, float]]
@@ -208,14 +208,13 @@ def thread_floor(layer: LayerOps, table: CostTable, num_layers: int, num_microba
     layers, from the durations and host times the lane model plays."""
     _check_counts(num_layers, num_microbatches)
     model = LaneModel(layer, table, force=force)
+    compute = LANE_ID["compute"]
 
-    compute = {o.name for o in list(layer.forward) + list(layer.backward)
-               if o.lane == "compute"}
-
-    def thread(names, T, H):
-        return sum(t if n in compute else h for n, t, h in zip(names, T, H))
-    f = thread(model.f_names, model.f_T, model.f_H)
-    b = thread(model.b_names, model.b_T, model.b_H)
+    # a compute op holds the thread for its time, a comm op for its host work
+    def thread(lanes, T, H):
+        return sum(t if lane == compute else h for lane, t, h in zip(lanes, T, H))
+    f = thread(model.f_lane, model.f_T, model.f_H)
+    b = thread(model.b_lane, model.b_T, model.b_H)
     N = num_microbatches
     return ThreadFloor(f, b, num_layers * N * (f + b) + N * extras.per_microbatch() +
                        extras.per_step())
