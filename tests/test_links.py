@@ -80,15 +80,35 @@ def test_busy_seconds_is_the_union_of_in_flight_intervals():
     # an interval that ends early, recorded after one that ends late, is still seen
     link.record_transfer(T + 7, T + 8)
     assert link.busy_seconds(T + 6, T + 10) == pytest.approx(1.0)
-    # intervals that ended more than KEEP_S ago are forgotten when one is recorded
+    # intervals that ended more than KEEP_S ago are forgotten when one is recorded, once
+    # PRUNE_MIN of them have gathered (not one at a time: that moved the whole list on
+    # every collective), so the list stays under KEEP_S's worth + PRUNE_MIN
     import time
     from dhelix.links import paced
-    old = PacedLink(1e6, 0.0)
     now = time.perf_counter()
-    old.record_transfer(now - paced.KEEP_S - 5, now - paced.KEEP_S - 1)
-    old.record_transfer(now - 1, now - 0.5)
-    assert len(old._spans) == 1 and old.busy_seconds(now - 2, now) == pytest.approx(0.5)
+    stale = now - paced.KEEP_S - 5
+    for n_old in (paced.PRUNE_MIN - 1, paced.PRUNE_MIN):
+        old = PacedLink(1e6, 0.0)
+        for i in range(n_old):
+            old.record_transfer(stale + i * 1e-6, stale + 1 + i * 1e-6)
+        old.record_transfer(now - 1, now - 0.5)
+        # PRUNE_MIN - 1 old ones: all kept; PRUNE_MIN: all forgotten
+        assert len(old._spans) == (n_old + 1 if n_old < paced.PRUNE_MIN else 1)
+        assert old._spans[-1] == (now - 1, now - 0.5)
+        assert old.busy_seconds(now - 2, now) == pytest.approx(0.5)
+        assert old.busy_seconds(stale + 2, stale + 3) == 0.0
     assert old.stretched_s == 0.0 and old.stretched_ops == 0
+    # a long run: a transfer every 10 ms for 200 s of "now" keeps at most KEEP_S's worth
+    # of them + PRUNE_MIN, and busy_seconds over the last second is exact
+    run = PacedLink(1e6, 0.0)
+    longest = 0
+    for i in range(20000):
+        t = i * 0.01
+        with run.lock:
+            run._record(t, t + 0.004, t)
+        longest = max(longest, len(run._spans))
+    assert longest <= paced.KEEP_S / 0.01 + paced.PRUNE_MIN + 1
+    assert run.busy_seconds(198.995, 199.995) == pytest.approx(100 * 0.004)
 
 
 STRETCH_LINK = "paced:10mbit,20us"

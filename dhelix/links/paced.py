@@ -121,6 +121,9 @@ class PacedWork(dist.Work):
 # how long a transfer's in-flight interval is kept after it ends: a GEMM asks about the
 # interval it ran in, so this only has to outlast the longest single GEMM
 KEEP_S = 60.0
+# intervals older than KEEP_S are dropped this many at a time: dropping each as it ages
+# moved the whole list (~20k intervals after a minute) on every collective
+PRUNE_MIN = 1024
 
 
 def union_seconds(spans, t0: float, t1: float) -> float:
@@ -213,11 +216,12 @@ class PacedLink:
 
     def _record(self, start: float, done: float, now: float) -> None:
         """(under the lock) A transfer in flight from `start` to `done`; forget those that
-        ended more than KEEP_S before `now`."""
+        ended more than KEEP_S before `now`, once PRUNE_MIN of them have gathered."""
         self._spans.append((start, done))
         self._reach.append(max(done, self._reach[-1]) if self._reach else done)
-        old = bisect.bisect_left(self._reach, now - KEEP_S)
-        if old:
+        # _reach is non-decreasing: its PRUNE_MIN-th entry old means PRUNE_MIN old ones
+        if len(self._reach) >= PRUNE_MIN and self._reach[PRUNE_MIN - 1] < now - KEEP_S:
+            old = bisect.bisect_left(self._reach, now - KEEP_S)
             del self._spans[:old], self._reach[:old]
 
     def record_transfer(self, start: float, done: float) -> None:
