@@ -246,6 +246,46 @@ def test_simulate_cli_whole_step(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "analytical" in err and "dhelix profile" in err
 
+    # --host-scale F: the comm ops' host times x F, in the plan (its meta records F),
+    # replayed by simulate, overridden there; the floor moves by exactly that share
+    assert t.host_f and t.host_b
+    half = str(tmp_path / "half.json")
+    assert main(["plan", *shape, "--table", table, "--host-scale", "0.5", "--out", half]) == 0
+    assert "comm host times x 0.5" in capsys.readouterr().out
+    assert Plan.load(half).meta["cost_source"]["host_scale"] == 0.5
+    scaled = _host_scaled(t, 0.5)
+    for argv, T in (([], scaled), (["--host-scale", "1"], t), (["--host-scale", "0.5"], scaled)):
+        assert main(["simulate", half, "--num-microbatches", "4", *argv]) == 0
+        out = capsys.readouterr().out
+        fl = thread_floor(layer, T, 2, 4, x)
+        assert f"layer pair {fmt_time(fl.pair_s)}" in out
+        dh, mg = predict(layer, Plan.load(half), T, 4)
+        assert f"predicted step: DHelix {fmt_time(dh.total_s)}" in out
+        assert ("comm host times x 0.5" in out) == (T is scaled)
+    zero = thread_floor(layer, _host_scaled(t, 0.0), 2, 4, x)
+    host = sum(t.host_f.values()) + sum(t.host_b.values())
+    assert fl.pair_s - zero.pair_s == pytest.approx(0.5 * host)
+    # bad scales, the analytical model, a table without host times: one line each
+    nohost = str(tmp_path / "nohost.json")
+    d = json.load(open(table))
+    del d["host_f"], d["host_b"]
+    json.dump(d, open(nohost, "w"))
+    for argv, msg in ((["--table", table, "--host-scale", "-1"], "must be >= 0"),
+                      (["--cluster", "a800", "--host-scale", "0"], "analytical model has none"),
+                      (["--table", nohost, "--host-scale", "0"], "no comm host times")):
+        assert main(["plan", *shape, *argv, "--out", str(tmp_path / "x.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("dhelix plan: error: --host-scale") and msg in err
+        assert err.count("\n") == 1
+    assert "nohost.json" in err and "dhelix profile" in err
+
+
+def _host_scaled(t, f):
+    """`t` with its comm host times x f."""
+    import dataclasses
+    return dataclasses.replace(t, host_f={k: v * f for k, v in t.host_f.items()},
+                               host_b={k: v * f for k, v in t.host_b.items()})
+
 
 def _three_op_layer():
     """forward: compute fc (1 s), comm fm (1 s); backward: compute c1 (1 s), comm m (2 s)

@@ -51,7 +51,8 @@ def run(a) -> int:
             raise InputError(f"--min-gain {a.min_gain}: must be in [0, 1) (a share: 0.02 "
                              f"is 2%)")
         p, layer = make_plan(shape, a.table, a.cluster, budget, a.backend, a.force,
-                             rotate=a.rotate, reorder=a.reorder, min_gain=a.min_gain)
+                             rotate=a.rotate, reorder=a.reorder, min_gain=a.min_gain,
+                             host_scale=1.0 if a.host_scale is None else a.host_scale)
     except expected_errors() as e:
         return fail("plan", readable_budget_error(e))
     try:

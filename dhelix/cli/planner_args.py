@@ -86,6 +86,12 @@ def add_cost_args(p, required: bool) -> None:
     p.add_argument("--force", action="store_true",
                    help="use a table made for another layer signature (entries must still "
                         "cover this layer's ops)")
+    p.add_argument("--host-scale", type=float, default=None, metavar="F",
+                   help="price each comm op's host work (the table's host_f/host_b: the "
+                        "issuing thread's own seconds per collective) at F times what was "
+                        "measured: 0 asks what the plan would do with a GPU's ~10 µs "
+                        "launch instead of the CPU link's copies (default 1; a plan made "
+                        "with it records F, and `dhelix simulate` replays it)")
 
 
 def add_planner_args(p) -> None:

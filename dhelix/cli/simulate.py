@@ -86,7 +86,13 @@ def run(a) -> int:
         layer, shape, layer_from = plan_layer(a.plan, meta, shape_from_args(a)
                                               if shape_given(a) else None, gpn)
         validate(plan, layer, source=a.plan)
-        costs, src = load_costs(layer, shape, table, cluster, force)
+        if a.host_scale is not None:
+            host_scale = a.host_scale
+        else:     # the plan's own, where it was made from the same table with one
+            src0 = meta.get("cost_source") if isinstance(meta.get("cost_source"), dict) else {}
+            host_scale = float(src0.get("host_scale", 1.0)) if not (a.table or a.cluster) \
+                else 1.0
+        costs, src = load_costs(layer, shape, table, cluster, force, host_scale)
         pp = a.pipeline_model_parallel_size or 1
         if pp <= 1 and a.num_microbatches is not None:
             whole = _whole_step(a, layer, plan, costs, src, force)   # errors before output

@@ -194,9 +194,17 @@ def shape_str(shape: dict, gpus_per_node: int = DEFAULT_GPUS_PER_NODE) -> str:
 # ---- cost sources ----------------------------------------------------------------------------
 
 def load_costs(layer, shape: Optional[dict], table: Optional[str], cluster: Optional[str],
-               force: bool) -> Tuple[object, dict]:
-    """(CostTable, cost_source dict for the plan's meta)."""
+               force: bool, host_scale: float = 1.0) -> Tuple[object, dict]:
+    """(CostTable, cost_source dict for the plan's meta). `host_scale` multiplies the
+    table's comm host times (`--host-scale`: what a plan would do were a collective's own
+    work on the issuing thread that share of what was measured; 0 is a GPU's ~10 µs launch,
+    next to nothing)."""
     from dhelix.planner.costs import CostTable, TableError
+    if host_scale != 1.0 and not (host_scale >= 0.0 and table):
+        raise InputError(f"--host-scale {host_scale:g}: " + (
+            "must be >= 0 (a share of the measured host times)" if table else
+            "scales a measured table's comm host times; the analytical model has none "
+            "(give --table)"))
     if table:
         try:
             t = CostTable.load(table, layer=layer, force=force, pairs="concurrent")
@@ -205,7 +213,16 @@ def load_costs(layer, shape: Optional[dict], table: Optional[str], cluster: Opti
             if "signature" in msg and not force and shape is not None:
                 msg += f" [this layer: {shape_str(shape)}; pass --force to use the table anyway]"
             raise TableError(msg)
-        return t, {"kind": "table", "path": os.path.abspath(table), "forced": bool(force)}
+        src = {"kind": "table", "path": os.path.abspath(table), "forced": bool(force)}
+        if host_scale != 1.0:
+            if not (t.host_f or t.host_b):
+                raise InputError(f"--host-scale {host_scale:g}: {table} has no comm host "
+                                 f"times (host_f/host_b) to scale: profile the layer again "
+                                 f"with `dhelix profile`")
+            t.host_f = {k: v * host_scale for k, v in t.host_f.items()}
+            t.host_b = {k: v * host_scale for k, v in t.host_b.items()}
+            src["host_scale"] = host_scale
+        return t, src
     from dhelix.planner.costmodel import analytical_table, group_sizes_of, load_cluster
     if shape is None:
         raise InputError("the analytical cost model needs the layer's TP size and dtype; give "
@@ -221,7 +238,8 @@ def load_costs(layer, shape: Optional[dict], table: Optional[str], cluster: Opti
 
 def cost_str(src: dict) -> str:
     if src.get("kind") == "table":
-        return f"measured table {src.get('path')}" + (" (forced)" if src.get("forced") else "")
+        return f"measured table {src.get('path')}" + (" (forced)" if src.get("forced") else "") \
+            + (f", comm host times x {src['host_scale']:g}" if "host_scale" in src else "")
     return f"analytical, cluster {src.get('name')} ({src.get('path')})"
 
 
@@ -285,18 +303,18 @@ def readable_budget_error(e: BaseException) -> BaseException:
 def make_plan(shape: dict, table: Optional[str] = None, cluster: Optional[str] = None,
               memory_budget: Optional[float] = None, backend: str = "auto",
               force: bool = False, rotate: bool = True, reorder: bool = True,
-              min_gain: Optional[float] = None):
+              min_gain: Optional[float] = None, host_scale: float = 1.0):
     """Plan one layer shape; returns (plan, layer_ops) with the layer, shape and cost
     source in the plan's meta (what `dhelix simulate` and `dhelix train` read back).
     With `rotate`, rotations of β's chain are tried for a co-step of the model's layers;
     with `reorder`, other orders of β's node (`dp.plan`); a plan predicted to gain less
     than `min_gain` (default `min_gain.MIN_GAIN`, not with a memory budget) over the trivial plan
-    gives way to it."""
+    gives way to it. `host_scale`: `load_costs`'s."""
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
     from dhelix.planner.min_gain import MIN_GAIN
     layer = layer_for_shape(shape, node_size(cluster))
-    costs, src = load_costs(layer, shape, table, cluster, force)
+    costs, src = load_costs(layer, shape, table, cluster, force, host_scale)
     p = dp.plan(layer, costs, memory_budget_bytes=memory_budget, backend=backend, force=force,
                 rotate=rotate, reorder=reorder,
                 num_layers=load_model_config(shape["config"]).num_layers,
