@@ -13,6 +13,11 @@ and draws the curve (PNG).
 A scaled table is not a measured one: the comm ops' host times and overlap factors are
 the profiled link's. It answers "what does the plan structure allow at this ratio", not
 "what will a run measure".
+
+`--host-scales 1,0` draws one curve per F, the comm ops' host times (issue and finish:
+on the paced link its shared-memory copies and sums) at F × the table's (`dhelix plan
+--host-scale`; 0: a GPU's launch), each with its thread floor (`planner.whole_step.
+thread_floor`: the speedup over megatron's order no schedule on one thread can pass).
 """
 from __future__ import annotations
 
@@ -55,19 +60,26 @@ def main():
                    help="plan the layer that keeps its gathered inputs (no backward "
                         "re-gathers, `--dhelix-keep-gathered [PARTS]`: attn, mlp or both, "
                         "the default); megatron's step stays the plain layer's")
+    p.add_argument("--host-scales", default="1",
+                   help="comm host time factors, one curve each (1: as profiled; 0: none)")
     p.add_argument("--png", default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     from dhelix.models.config import load_model_config
     from dhelix.planner import dp
-    from dhelix.planner.problem import layer_for_shape, load_costs
-    from dhelix.planner.whole_step import simulate_megatron_step, simulate_step
+    from dhelix.planner.problem import InputError, layer_for_shape, load_costs
+    from dhelix.planner.whole_step import simulate_megatron_step, simulate_step, thread_floor
     tp = a.tensor_model_parallel_size
     shape = {"config": a.config, "tp": tp, "sp": tp > 1, "seq": a.seq_length,
              "mbs": a.micro_batch_size, "bf16": False, "lane": "intra", "ep": 1, "cp": 1,
              "mlp_chunks": 1}
     layer = layer_for_shape(shape)
-    costs, _ = load_costs(layer, shape, a.table, None, False)
+    hosts = [float(x) for x in a.host_scales.split(",")]
+    try:
+        by_host = {F: load_costs(layer, shape, a.table, None, False, F)[0] for F in hosts}
+    except InputError as e:
+        raise SystemExit(f"speedup_vs_ratio.py: error: {e}")
+    costs = by_host[hosts[0]]
     planned = layer_for_shape(dict(shape, keep_gathered=a.keep_gathered)) \
         if a.keep_gathered else layer
     if costs.step_extras is None:
@@ -76,8 +88,8 @@ def main():
     # a layer's compute (in-step times where measured) and comm, forward and backward
     strands = ((layer.forward, "alone_f", "in_step_f"), (layer.backward, "alone_b", "in_step_b"))
     rows = []
-    for k in [float(x) for x in a.scales.split(",")]:
-        c = scaled(costs, layer, k)
+    for F, k in [(F, float(x)) for F in hosts for x in a.scales.split(",")]:
+        c = scaled(by_host[F], layer, k)
         comp = sum(getattr(c, in_step).get(o.name, getattr(c, alone)[o.name])
                    for ops, alone, in_step in strands for o in ops if o.lane == "compute")
         comm = sum(getattr(c, alone)[o.name]
@@ -87,11 +99,13 @@ def main():
         dh = simulate_step(planned, plan, c, L, N, c.step_extras).total_s
         rest = c.step_extras.per_microbatch() * N + c.step_extras.per_step()
         bound = mg / (rest + L * N * max(comp, comm))
-        rows.append({"scale": k, "comm_compute": comm / comp, "megatron_s": mg,
-                     "dhelix_s": dh, "speedup": mg / dh, "bound": bound})
-        print(f"k {k:4.2f}  comm/compute {comm / comp:4.2f}  megatron {mg * 1e3:7.0f} ms  "
-              f"plan {dh * 1e3:7.0f} ms  speedup {mg / dh:.3f}x  (bound {bound:.3f}x)",
-              flush=True)
+        floor = mg / thread_floor(planned, c, L, N, c.step_extras).step_s
+        rows.append({"host_scale": F, "scale": k, "comm_compute": comm / comp,
+                     "megatron_s": mg, "dhelix_s": dh, "speedup": mg / dh, "bound": bound,
+                     "floor": floor})
+        print(f"host x{F:g}  k {k:4.2f}  comm/compute {comm / comp:4.2f}  megatron "
+              f"{mg * 1e3:7.0f} ms  plan {dh * 1e3:7.0f} ms  speedup {mg / dh:.3f}x  "
+              f"(bound {bound:.3f}x, thread floor {floor:.3f}x)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"table": a.table, "rows": rows}, f, indent=1)
@@ -99,11 +113,17 @@ def main():
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        x = [r["comm_compute"] for r in rows]
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot(x, [r["speedup"] for r in rows], "o-", label="plan (simulated)")
-        ax.plot(x, [r["bound"] for r in rows], "--", color="gray",
-                label="bound: megatron / (max(compute, comm) + rest)")
+        for i, F in enumerate(hosts):
+            rs = [r for r in rows if r["host_scale"] == F]
+            x, tag = [r["comm_compute"] for r in rs], f" (host work x{F:g})" * (len(hosts) > 1)
+            ax.plot(x, [r["speedup"] for r in rs], "o-", color=f"C{i}",
+                    label="plan (simulated)" + tag)
+            ax.plot(x, [r["floor"] for r in rs], ":", color=f"C{i}",
+                    label="thread floor" + tag)
+        rs = [r for r in rows if r["host_scale"] == hosts[0]]
+        ax.plot([r["comm_compute"] for r in rs], [r["bound"] for r in rs], "--",
+                color="gray", label="bound: megatron / (max(compute, comm) + rest)")
         ax.axhline(1.5, color="red", lw=0.8, label="goal 1.5x")
         ax.set_xlabel("layer comm / compute")
         ax.set_ylabel("whole-step speedup over megatron")

@@ -279,6 +279,38 @@ def test_simulate_cli_whole_step(tmp_path, capsys):
         assert err.count("\n") == 1
     assert "nohost.json" in err and "dhelix profile" in err
 
+    # scripts/speedup_vs_ratio.py --host-scales: a row per (F, k), each its table's floor
+    import importlib.util
+    import sys
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "speedup_vs_ratio", Path(__file__).parent.parent / "scripts" / "speedup_vs_ratio.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows_json = tmp_path / "sweep.json"
+    argv = sys.argv
+    try:
+        sys.argv = ["speedup_vs_ratio.py", "--table", table, "--config", "tiny",
+                    "--seq-length", "32", "--micro-batch-size", "2", "--num-microbatches", "4",
+                    "--scales", "1,2", "--host-scales", "1,0", "--json", str(rows_json),
+                    "--png", str(tmp_path / "sweep.png")]
+        mod.main()
+        sys.argv[sys.argv.index("1,0")] = "-1"
+        with pytest.raises(SystemExit, match="--host-scale -1: must be >= 0"):
+            mod.main()
+    finally:
+        sys.argv = argv
+    rows = json.load(open(rows_json))["rows"]
+    assert [(r["host_scale"], r["scale"]) for r in rows] == [(1, 1), (1, 2), (0, 1), (0, 2)]
+    for r in rows:
+        T = mod.scaled(_host_scaled(t, r["host_scale"]), layer, r["scale"])
+        mg_s = simulate_megatron_step(layer, T, 2, 4, x).total_s
+        assert r["megatron_s"] == pytest.approx(mg_s)
+        assert r["floor"] == pytest.approx(mg_s / thread_floor(layer, T, 2, 4, x).step_s)
+        assert r["speedup"] <= r["floor"] * (1 + 1e-9)
+    assert rows[2]["floor"] > rows[0]["floor"]        # no host work: a higher floor
+    assert (tmp_path / "sweep.png").stat().st_size > 0
+
 
 def _host_scaled(t, f):
     """`t` with its comm host times x f."""
