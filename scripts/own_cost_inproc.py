@@ -22,6 +22,13 @@ through torch.distributed (megatron's collectives always go through torch.distri
     torchrun --nproc-per-node 2 scripts/own_cost_inproc.py --link paced:1gbit \
         --table table.json --halves --phases --pairs 6
 
+`--link-calls` prints, per rank and model, the thread time (`time.thread_time`) of each
+paced-link call over the counted pairs: the collective as its caller issues it (DHelix's
+lanes' direct path, megatron's through torch.distributed), the link model's
+`schedule()`, the shared-memory issue (copy in, and the reads of collectives already
+posted: `links/shm.py`'s EAGER), each read (copies or sums out) and each wait (its read
+and the last ~80 µs spun toward the modelled end, `links/clock.py`).
+
 `--also-plans A.json,B.json` adds a DHelix model per plan file (which of several plans
 runs faster, in the same processes). `--halves` adds a model planned the same way with `--dhelix-halves` (B(N)'s micro-batch
 as two batch halves round-robin); `--phases` prints, per DHelix model, the median time of
@@ -70,8 +77,12 @@ def main():
                         "(links/shm.py reads a collective as soon as it is posted; off: "
                         "at its wait), direct (DHelix's lanes call the paced link "
                         "directly, links/paced.py: direct; off: through torch.distributed)")
+    p.add_argument("--link-calls", action="store_true",
+                   help="time each paced-link call with the thread clock, per model")
     a = p.parse_args()
     os.environ["DHELIX_LINK"] = a.link          # read when the rank joins the group
+    if a.link_calls:
+        _time_link_calls()                      # before the link wraps torch.distributed
     import torch
     from dhelix.base.memory import METER
     from dhelix.cli import build_parser
@@ -145,6 +156,7 @@ def main():
             if switch:
                 setattr(*switch, setting.endswith(" on"))
             schedule, chunks = runs[name]
+            CALLS_OF[0] = f"{name} {setting}" if i else None
             for c in chunks:
                 c.zero_grad_buffer()
             torch.distributed.barrier()
@@ -193,6 +205,9 @@ def main():
                   f"{waited[v][0] / a.pairs * 1e3:.0f} ms, for a free slot "
                   f"{waited[v][1] / a.pairs * 1e3:.0f} ms, for a late peer "
                   f"{waited[v][2] / a.pairs * 1e3:.0f} ms", flush=True)
+    for (model, call), (n, ns) in sorted(CALLS.items()):
+        print(f"rank {info.rank} {model}: {call:28s} {n / a.pairs:7.0f} a step, "
+              f"{ns / max(n, 1) / 1e3:6.1f} us of thread time a call", flush=True)
 
 
 CO_STEP_S: list = []     # seconds of each co_step of the step being timed
@@ -209,6 +224,39 @@ def _time_co_steps():
         CO_STEP_S.append(time.perf_counter() - t0)
         return out
     sched.co_step = timed
+
+
+CALLS: dict = {}          # (model, call) -> [calls, thread ns] over the counted pairs
+CALLS_OF = [None]         # the model being timed (None: the warm-up pair)
+
+
+def _time_link_calls():
+    """Count every paced-link call's thread time under the model being timed."""
+    from dhelix.links import paced, shm
+
+    def timed(name, fn):
+        def call(*args, **kw):
+            t0 = time.thread_time_ns()
+            out = fn(*args, **kw)
+            if CALLS_OF[0] is not None:
+                c = CALLS.setdefault((CALLS_OF[0], name), [0, 0])
+                c[0] += 1
+                c[1] += time.thread_time_ns() - t0
+            return out
+        return call
+    shm.ShmGroup.issue = timed("shm issue (copy in)", shm.ShmGroup.issue)
+    shm.ShmWork.read = timed("shm read (copies/sums out)", shm.ShmWork.read)
+    paced.PacedLink.schedule = timed("link schedule()", paced.PacedLink.schedule)
+    paced.PacedWork.wait = timed("wait (read, spin to the end)", paced.PacedWork.wait)
+    direct, wrap = paced.direct, paced._wrap
+
+    def timed_direct(pg, kind):
+        fn = direct(pg, kind)
+        return None if fn is None else timed(f"lane {kind} (issue)", fn)
+
+    def timed_wrap(orig, link, collective, arg, name):
+        return timed(f"torch.distributed {name}", wrap(orig, link, collective, arg, name))
+    paced.direct, paced._wrap = timed_direct, timed_wrap
 
 
 if __name__ == "__main__":
