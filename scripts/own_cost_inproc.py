@@ -206,8 +206,8 @@ def main():
                   f"{waited[v][1] / a.pairs * 1e3:.0f} ms, for a late peer "
                   f"{waited[v][2] / a.pairs * 1e3:.0f} ms", flush=True)
     for (model, call), (n, ns) in sorted(CALLS.items()):
-        print(f"rank {info.rank} {model}: {call:28s} {n / a.pairs:7.0f} a step, "
-              f"{ns / max(n, 1) / 1e3:6.1f} us of thread time a call", flush=True)
+        print(f"rank {info.rank} {model}: {call:36s} {n / a.pairs:7.0f} a step, "
+              f"{ns / n / 1e3:6.1f} us of thread time a call", flush=True)
 
 
 CO_STEP_S: list = []     # seconds of each co_step of the step being timed
