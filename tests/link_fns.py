@@ -20,6 +20,9 @@ def time_collectives():
              ("reduce_scatter", x,
               lambda: dist.reduce_scatter_tensor(torch.empty(1 << 18), x, group=g))]
     for name, buf, fn in cases:
+        # once untimed: the first call on a group maps and faults in its shared-memory
+        # buffers (tens of ms of CPU on a loaded machine), which is set-up, not the link
+        fn()
         dist.barrier()
         t, c = time.perf_counter(), time.process_time()
         fn()

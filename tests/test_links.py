@@ -169,7 +169,8 @@ def test_paced_link_delays_to_the_model_holding_no_cpu():
     """On each of 2 ranks, an all-gather, an all-reduce and a reduce-scatter of 2-4 MiB over
     paced:100mbit,20us each take from 0.99x to 1.25x + 20 ms (slack for a loaded CI machine)
     of the modelled time (ring bytes / 100 Mbit/s + latency, 84-168 ms), while the process
-    uses under a quarter of that wall time as CPU time; two all-reduces issued together
+    uses under a quarter of that wall time as CPU time (each timed after one untimed call:
+    the first on a group maps its shared memory, ~3x the CPU of later ones); two all-reduces issued together
     queue on the FIFO link (the first ends after >= 0.99x one modelled time, both after
     >= 0.99x two); a ring step (send one way, receive the other) takes one transfer's
     modelled time, within the same bounds; an all-reduce on the default group is not
