@@ -170,9 +170,9 @@ def test_paced_link_delays_to_the_model_holding_no_cpu():
     paced:100mbit,20us each take from 0.99x to 1.25x + 20 ms (slack for a loaded CI machine)
     of the modelled time (ring bytes / 100 Mbit/s + latency, 84-168 ms), while the process
     uses under a quarter of that wall time as CPU time (each timed after one untimed call:
-    the first on a group maps its shared memory, ~3x the CPU of later ones); two all-reduces issued together
-    queue on the FIFO link (the first ends after >= 0.99x one modelled time, both after
-    >= 0.99x two); a ring step (send one way, receive the other) takes one transfer's
+    the first on a group maps its shared memory, ~3x the CPU of later ones); two
+    all-reduces issued together queue on the FIFO link (the first ends after >= 0.99x one
+    modelled time, both after >= 0.99x two); a ring step (send one way, receive the other) takes one transfer's
     modelled time, within the same bounds; an all-reduce on the default group is not
     paced (under half the all-gather's modelled time)."""
     for res in run_ranks(link_fns.time_collectives, 2, env={"DHELIX_LINK": PACED},
