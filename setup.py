@@ -21,8 +21,10 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
-        # Tested with 0.16.1; supported range stated in README.
-        "megatron-core>=0.15,<0.17",
+        # Tested with 0.16.1 (Python >= 3.10; Megatron-LM tag core_v0.16.1) and 0.19.2
+        # (Python >= 3.12 as published; Megatron-LM tag core_v0.19.0): README "Install".
+        # pip on Python 3.11 finds no release after 0.16.1, so it keeps 0.16.1 there.
+        "megatron-core>=0.15,<0.20",
         "numpy",
         "pyyaml",
         "matplotlib",
@@ -32,8 +34,9 @@ setup(
     extras_require={
         # the test suite also imports Megatron-LM's training code (megatron.training needs
         # these beside megatron-core)
+        # (pybind11: scripts/install_megatron_core.py builds megatron's dataset helper)
         "test": ["pytest>=7", "pytest-timeout", "hypothesis", "six", "regex", "triton",
-                 "pydantic"],
+                 "pydantic", "pybind11"],
         "megatron-lm": ["six", "regex", "triton", "pydantic"],
         "gpu": ["transformer-engine", "apex"],
     },

@@ -55,8 +55,13 @@ def init_megatron(argv):
     import megatron.training.arguments as margs
     margs.get_device_arch_version = lambda: 9
     sys.argv = ["pretrain_gpt.py"] + list(argv)
-    initialize_megatron(extra_args_provider=add_dhelix_args, allow_no_cuda=True,
-                        skip_mpu_initialization=True)
+    if hasattr(margs, "parse_and_validate_args"):
+        # core_v0.19: pretrain_gpt.py parses first, then pretrain() initializes
+        margs.parse_and_validate_args(extra_args_provider=add_dhelix_args)
+        initialize_megatron(allow_no_cuda=True, skip_mpu_initialization=True)
+    else:
+        initialize_megatron(extra_args_provider=add_dhelix_args, allow_no_cuda=True,
+                            skip_mpu_initialization=True)
     args = get_args()
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -90,6 +95,35 @@ def checksums(model, attr):
     return out
 
 
+def cp_batch(batch):
+    """pretrain_gpt's get_batch: this CP rank's two chunks (megatron-core's function; from
+    0.19 it asks whether CP is hybrid, which pretrain_gpt answers from its flags)."""
+    import inspect
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                         cp_group=parallel_state.get_context_parallel_group())
+    return get_batch_on_this_cp_rank(batch)
+
+
+def build_gpt(args, model_provider, gpt_builders):
+    """The GPT model as this Megatron-LM's pretrain_gpt.py builds it: from core_v0.19 the
+    model config it makes from the arguments (`gpt_config_from_args`) and that config's
+    builder (`GPTModelBuilder.build_model`), before it the model_provider with
+    gpt_builder."""
+    try:
+        from megatron.training.argument_utils import gpt_config_from_args
+    except ImportError:
+        return model_provider.model_provider(gpt_builders.gpt_builder, pre_process=True,
+                                             post_process=True)
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    cfg = gpt_config_from_args(args)
+    builder = cfg.get_builder_cls()(cfg)
+    return builder.build_model(ProcessGroupCollection.use_mpu_process_groups(),
+                               pre_process=True, post_process=True)
+
+
 def train_real(argv, dhelix, steps=3, delay_gather=False):
     """Build the model with Megatron-LM's model_provider and gpt_builder (after the
     install hook when `dhelix`), wrap it in megatron DDP, and run `steps` iterations of
@@ -111,15 +145,13 @@ def train_real(argv, dhelix, steps=3, delay_gather=False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
-    from megatron.core.utils import get_batch_on_this_cp_rank
     from dhelix.megatron.install import install, uninstall
     from dhelix.strand.layer import DHelixLayer
     uninstall()
     installed = install(args)
     try:
         torch.manual_seed(args.seed)
-        model = mp.model_provider(gpt_builders.gpt_builder, pre_process=True,
-                                  post_process=True)
+        model = build_gpt(args, mp, gpt_builders)
         layers = [type(m).__name__ for m in model.modules()
                   if type(m).__name__.endswith("TransformerLayer") or isinstance(m, DHelixLayer)]
         cores = [type(m.self_attention.core_attention).__name__
@@ -160,7 +192,7 @@ def train_real(argv, dhelix, steps=3, delay_gather=False):
                                 "position_ids": torch.arange(args.seq_length).repeat(
                                     args.micro_batch_size, 1)})
             # pretrain_gpt's get_batch: this CP rank's two chunks (megatron-core's function)
-            batches = [get_batch_on_this_cp_rank(b) for b in batches]
+            batches = [cp_batch(b) for b in batches]
             it_data = RerunDataIterator(iter(batches))   # as build_train_valid_test_data_iterators
 
             def forward_step(data_iterator, model):

@@ -8,9 +8,8 @@ def unbalanced_moe_layer():
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.spec_utils import build_module
 
-    from dhelix.compat import cpu
+    from dhelix.compat import cpu, mcore
     from dhelix.models.config import load_model_config
     from dhelix.models.gpt import transformer_config
     from dhelix.models.spec import moe_spec
@@ -19,7 +18,7 @@ def unbalanced_moe_layer():
     torch.manual_seed(1)
     model_parallel_cuda_manual_seed(1)
     cfg = transformer_config(load_model_config("tiny-moe"), ep=2)
-    layer = build_module(moe_spec(), config=cfg)
+    layer = mcore.build(moe_spec(), config=cfg)
     with torch.no_grad():
         layer.router.weight.zero_()
     x = torch.randn(16, 2, cfg.hidden_size, requires_grad=True)

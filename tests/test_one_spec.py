@@ -78,9 +78,13 @@ def test_with_dhelix_layer_keeps_the_structure_and_refuses_what_it_lacks():
     from dhelix.megatron.spec import SpecError, with_dhelix_layer
     from dhelix.models.spec import Norm
     from dhelix.models.ring_attention import RingAttention
+    from dhelix.compat import mcore
     moe = with_dhelix_layer(get_gpt_layer_local_spec(num_experts=4))
-    assert moe.submodules.mlp.module.__name__ == "MoELayer"
-    assert moe.submodules.mlp.submodules.experts.module.__name__ == "SequentialMLP"
+    assert mcore.spec_class(moe.submodules.mlp).__name__ == "MoELayer"
+    experts = mcore.spec_submodules(moe.submodules.mlp).experts
+    assert mcore.spec_class(experts).__name__ == "SequentialMLP"
+    dense = with_dhelix_layer(get_gpt_layer_local_spec())
+    assert mcore.spec_class(dense.submodules.mlp).__name__ == "MLP"
     cp = with_dhelix_layer(get_gpt_layer_local_spec(), context_parallel_size=2)
     assert cp.submodules.self_attention.submodules.core_attention is RingAttention
     base = with_dhelix_layer(get_gpt_layer_local_spec(), layer_module=TransformerLayer)

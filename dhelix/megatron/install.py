@@ -84,17 +84,25 @@ def _install_spec(args, layer_module) -> None:
     def local_spec(*a, **k):
         return with_dhelix_layer(orig_local(*a, **k), getattr(args, "context_parallel_size", 1),
                                  layer_module)
-    gpt_layer_specs.get_gpt_layer_local_spec = local_spec
-    # Megatron-LM's gpt_builders imports the spec function by name: patch its copy too
-    builders = sys.modules.get("gpt_builders")
-    if builders is not None and hasattr(builders, "get_gpt_layer_local_spec"):
-        _ORIGINAL.setdefault(("gpt_builders", "get_gpt_layer_local_spec"),
-                             builders.get_gpt_layer_local_spec)
-        builders.get_gpt_layer_local_spec = local_spec
+    local_spec.dhelix_hook = True
+    # Megatron-LM's model builders import the spec function by name (gpt_builders; from
+    # core_v0.19 also megatron.training.models.gpt): patch every copy of it
+    _patch_everywhere("get_gpt_layer_local_spec", orig_local, local_spec)
     # the final norm megatron adds to a layer spec's block
     _ORIGINAL.setdefault((transformer_block.__name__, "LayerNormImpl"),
                          transformer_block.LayerNormImpl)
     transformer_block.LayerNormImpl = Norm
+
+
+def _patch_everywhere(attr: str, original, replacement) -> None:
+    """Set `attr` to `replacement` in every loaded module whose `attr` is `original` (or an
+    earlier install's replacement)."""
+    for name, mod in list(sys.modules.items()):
+        # the module's own names only: a module-level __getattr__ (torch's) may raise
+        now = getattr(mod, "__dict__", {}).get(attr) if mod is not None else None
+        if now is not None and (now is original or getattr(now, "dhelix_hook", False)):
+            _ORIGINAL.setdefault((name, attr), original)
+            setattr(mod, attr, replacement)
 
 
 def uninstall() -> None:

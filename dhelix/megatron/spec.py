@@ -14,6 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from dhelix.compat import mcore
 from dhelix.models.spec import Norm, layer_spec
 from dhelix.strand.layer import DHelixLayer
 
@@ -46,19 +47,19 @@ def _check_supported(spec: ModuleSpec) -> bool:
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.identity_op import IdentityOp
     sa = spec.submodules.self_attention
-    if not (isinstance(sa, ModuleSpec) and isinstance(sa.module, type) and
-            issubclass(sa.module, SelfAttention)):
-        raise SpecError(f"--dhelix: self-attention {getattr(sa, 'module', sa)} is not "
+    sa_class = mcore.spec_class(sa)
+    if not (sa_class is not None and issubclass(sa_class, SelfAttention)):
+        raise SpecError(f"--dhelix: self-attention {sa_class or sa} is not "
                         f"megatron's SelfAttention (multi-latent attention and other "
                         f"variants are not DHelix ops yet)")
-    sub = sa.submodules
+    sub = mcore.spec_submodules(sa)
     for name in ("q_layernorm", "k_layernorm"):
         norm = getattr(sub, name, None)
         if norm not in (None, IdentityOp):
             raise SpecError(f"--dhelix: the layer has a {name} (--qk-layernorm); DHelix's "
                             f"layer has none yet: drop --qk-layernorm")
-    mlp = spec.submodules.mlp
-    return "MoE" in getattr(getattr(mlp, "module", None), "__name__", "")
+    mlp_class = mcore.spec_class(spec.submodules.mlp)
+    return mlp_class is not None and "MoE" in mlp_class.__name__
 
 
 def with_dhelix_layer(spec, context_parallel_size: int = 1, layer_module=DHelixLayer):

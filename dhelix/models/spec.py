@@ -21,7 +21,6 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -30,6 +29,8 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+
+from dhelix.compat import mcore
 
 
 def fused_norm_available(x: torch.Tensor) -> bool:
@@ -132,18 +133,14 @@ class SDPAttention(MegatronModule):
         return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-def moe_spec() -> ModuleSpec:
+def moe_spec(num_experts: int = 2):
     """megatron-core's local MoE block: top-k router, all-to-all token dispatcher (by the
     config), `SequentialMLP` experts of megatron linears, and shared experts (built only
-    when the config sets moe_shared_expert_intermediate_size) — as
-    `get_gpt_layer_local_spec(num_experts=...)` builds it without grouped GEMM."""
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
-    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
-    mlp = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
-    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=mlp),
-        shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=mlp)))
+    when the config sets moe_shared_expert_intermediate_size) — megatron's own
+    `get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts)`, in the form of
+    the installed release (`compat/mcore.py`). The number of experts comes from the
+    config; the spec only needs one."""
+    return mcore.mlp_spec(num_experts=num_experts)
 
 
 def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None,
@@ -153,8 +150,7 @@ def layer_spec(layer_module=TransformerLayer, num_experts: Optional[int] = None,
     `num_experts` the MLP is megatron's MoE block; with context parallel the core
     attention is the ring (`RingAttention`), for megatron's layer and DHelix's alike."""
     from dhelix.models.ring_attention import RingAttention
-    mlp = moe_spec() if num_experts else ModuleSpec(module=MLP, submodules=MLPSubmodules(
-        linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
+    mlp = mcore.mlp_spec(num_experts=int(num_experts) if num_experts else None)
     return ModuleSpec(
         module=layer_module,
         submodules=TransformerLayerSubmodules(
