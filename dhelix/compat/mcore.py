@@ -12,6 +12,9 @@ instead of checking versions itself. Each entry names the release that changed i
     (`ModuleSpec`, a class, or 0.19's `functools.partial` builders, such as
     `partial(MoELayer, submodules=...)` and `partial(MLP.as_mlp_submodule, ...)`).
   - `spec_submodules(spec)`: the submodules a spec builds with, in any of those forms.
+  - `load_common_state_dict(dir)`, `load_checkpoint(state, dir)`: read a torch_dist save
+    of either format (0.16 writes `common.pt`; 0.19 keeps that state inside the torch_dist
+    files and reads both), so a save crosses the releases both ways.
 """
 from __future__ import annotations
 
@@ -99,3 +102,53 @@ def spec_submodules(spec) -> Any:
     if isinstance(spec, functools.partial):
         return spec.keywords.get("submodules")
     return None
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+# Up to 0.16 a torch_dist save keeps its common (non-tensor) state in `common.pt`; from
+# 0.19 it is one ShardedObject, "common_state", inside the torch_dist files, and 0.19 reads
+# both. The reader below lets an older release read a 0.19 save too.
+
+def _embedded_common_state(checkpoint_dir: str):
+    import io
+
+    import torch
+    from torch.distributed import checkpoint as dcp
+    key = "common_state/shard_0_1"      # ShardedObject("common_state", None, (1,), (0,))
+    out = {key: io.BytesIO()}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(checkpoint_dir), no_dist=True)
+    value = out[key]
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        value = torch.load(value, weights_only=False)
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def _has_common_pt(checkpoint_dir) -> bool:
+    return os.path.exists(os.path.join(str(checkpoint_dir), "common.pt"))
+
+
+def load_common_state_dict(checkpoint_dir: str):
+    """The common state of a torch_dist save of either format."""
+    from megatron.core import dist_checkpointing
+    if _has_common_pt(checkpoint_dir) or VERSION >= (0, 19, 0):
+        return dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
+    return _embedded_common_state(str(checkpoint_dir))
+
+
+def load_checkpoint(sharded_state_dict, checkpoint_dir: str):
+    """`dist_checkpointing.load` of a save of either format: megatron's own from 0.19,
+    which reads both; before it with megatron's torch common strategy taught 0.19's."""
+    from megatron.core import dist_checkpointing
+    if VERSION >= (0, 19, 0):
+        return dist_checkpointing.load(sharded_state_dict, checkpoint_dir)
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+
+    class EitherFormat(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            if _has_common_pt(checkpoint_dir):
+                return super().load_common(checkpoint_dir)
+            return _embedded_common_state(str(checkpoint_dir))
+
+    return dist_checkpointing.load(sharded_state_dict, checkpoint_dir,
+                                   common_strategy=EitherFormat())

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dhelix.compat import mcore
+
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0                   # Megatron-LM's current one
 
@@ -286,9 +288,8 @@ renames it `iter_N` and names it in the tracker."""
 
 def saved_args(path: str) -> Namespace:
     """The `args` of the save at `path` (its common.pt)."""
-    from megatron.core import dist_checkpointing
     try:
-        common = dist_checkpointing.load_common_state_dict(path)
+        common = mcore.load_common_state_dict(path)
     except Exception as e:                  # missing or damaged common.pt / metadata.json
         raise CheckpointError(f"--load {path}: not a readable torch_dist checkpoint "
                               f"({type(e).__name__}: {str(e)[:200]})") from None
@@ -365,7 +366,8 @@ def load(chunks, optimizer, cfg, m, layout, finetune: bool = False,
         load_rng = False
         r.skipped.append(f"RNG state, saved at {_show(saved_layout)}")
     # the layout the save used (a Megatron-LM save: its own choice of optimizer layout)
-    meta = dist_checkpointing.load_content_metadata(path) or {}
+    meta = dist_checkpointing.load_content_metadata(
+        preloaded_state_dict=mcore.load_common_state_dict(path)) or {}
     state = model_state(chunks, meta)
     if load_optim:
         if cfg.use_distributed_optimizer and "distrib_optim_sharding_type" not in meta:
@@ -383,7 +385,7 @@ def load(chunks, optimizer, cfg, m, layout, finetune: bool = False,
     if load_rng:
         state["rng_state"] = _rng_state(layout)
     try:
-        loaded = dist_checkpointing.load(state, path)
+        loaded = mcore.load_checkpoint(state, path)
     except Exception as e:
         raise CheckpointError(f"--load {path}: {type(e).__name__}: "
                               f"{_first_line(e)}") from None
@@ -415,7 +417,7 @@ def _check_optimizer_fits(optimizer, path, meta, saved_layout, my_layout) -> Non
     parameters' optimizers apart, at EP > 1); the distributed optimizer's (dp_reshardable)
     only to another DP size. Else the weights alone can move: one message, the fix."""
     from megatron.core import dist_checkpointing
-    saved = dist_checkpointing.load_common_state_dict(path).get("optimizer", {})
+    saved = mcore.load_common_state_dict(path).get("optimizer", {})
     n_saved = len([k for k in saved if isinstance(k, int)]) or 1
     n_mine = len(getattr(optimizer.optimizer, "chained_optimizers", [None]))
     why = None
