@@ -3,17 +3,24 @@
 # from anywhere in the checkout). The lent GPU machine has no network and no megatron-core,
 # and Megatron-LM's training code (../shared/megatron-lm) does not travel with the checkout,
 # so this puts both into git-ignored folders of the repo root that the device call carries:
-#   .whl/          megatron-core 0.16.1 built for Python 3.12, and the small packages
+#   .whl/          megatron-core (MCORE, default 0.19.2, what users run today; MCORE=0.16.1
+#                  for the other tested release) built for Python 3.12, and the small packages
 #                  Megatron-LM's training code imports that the device image lacks
 #                  (pydantic and its needs; six, regex, triton, einops are there already)
-#   .megatron-lm/  pretrain_gpt.py, gpt_builders.py, model_provider.py and the packages
-#                  megatron/{training,legacy,post_training,rl} (pretrain_gpt.py imports
-#                  from all four; megatron/core comes from the wheel), about 1.7 MB
+#   .megatron-lm/  pretrain_gpt.py, gpt_builders.py, model_provider.py and every package
+#                  of megatron/ but core (training, post_training, rl, and legacy at
+#                  core_v0.16.1, inference and elastification at core_v0.19.0;
+#                  megatron/core comes from the wheel), about 2 MB
 # Then it prints the carry list and the device command. Re-running replaces both folders.
-# MEGATRON_LM names another Megatron-LM checkout (tag core_v0.16.1 pairs with 0.16.1).
+# MEGATRON_LM names another Megatron-LM checkout (tag core_v0.19.0 pairs with 0.19.2,
+# core_v0.16.1 with 0.16.1; the default is ../shared's copy of the pairing tag).
 set -euo pipefail
 cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)"
-ML=${MEGATRON_LM:-../shared/megatron-lm}
+MCORE=${MCORE:-0.19.2}
+case "$MCORE" in
+  0.19.*) ML=${MEGATRON_LM:-../shared/megatron-lm-0.19} ;;
+  *)      ML=${MEGATRON_LM:-../shared/megatron-lm} ;;
+esac
 [ -f "$ML/pretrain_gpt.py" ] || { echo "gpu_prep: no Megatron-LM checkout at $ML (set MEGATRON_LM)" >&2; exit 2; }
 for d in .whl .megatron-lm; do
   git check-ignore -q "$d/x" || { echo "gpu_prep: $d/ is not git-ignored (.gitignore)" >&2; exit 2; }
@@ -22,7 +29,7 @@ done
 # 1. wheels for the device's Python 3.12 (x86-64). One version of each: two stop the install.
 #    pydantic's own needs are named too (--no-deps fetches none); typing-extensions rides
 #    along because pydantic 2.13 wants >= 4.14.1 and the image's version was never read.
-WHEELS=(megatron-core==0.16.1 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
+WHEELS=(megatron-core==$MCORE pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0
         typing-inspection==0.4.2 typing-extensions==4.15.0)
 rm -rf .whl && mkdir -p .whl
 plat=()
@@ -39,7 +46,9 @@ n=$(ls .whl/*.whl | wc -l)
 rm -rf .megatron-lm && mkdir -p .megatron-lm/megatron
 cp "$ML"/pretrain_gpt.py "$ML"/gpt_builders.py "$ML"/model_provider.py .megatron-lm/
 cp "$ML"/LICENSE "$ML"/SOURCE.md .megatron-lm/ 2>/dev/null || true
-for p in training legacy post_training rl; do cp -r "$ML/megatron/$p" .megatron-lm/megatron/; done
+for p in "$ML"/megatron/*/; do
+  [ "$(basename "$p")" = core ] || cp -r "$p" .megatron-lm/megatron/
+done
 [ -f "$ML/megatron/__init__.py" ] && cp "$ML/megatron/__init__.py" .megatron-lm/megatron/
 find .megatron-lm -name __pycache__ -prune -exec rm -rf {} +
 rm -rf .megatron-lm/megatron/legacy/fused_kernels/build

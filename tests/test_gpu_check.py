@@ -94,7 +94,10 @@ def test_megatron_lm_section_is_self_contained():
         assert flag in text
     assert ".megatron-lm" in text and "exit 77" in text
     prep = open(os.path.join(SCRIPTS, "gpu_prep.sh")).read()
-    assert "megatron-core==0.16.1" in prep and "--python-version 3.12" in prep
+    # the release users run today unless told otherwise (MCORE=0.16.1), with its own
+    # Megatron-LM training code
+    assert "MCORE=${MCORE:-0.19.2}" in prep and "megatron-core==$MCORE" in prep
+    assert "../shared/megatron-lm-0.19" in prep and "--python-version 3.12" in prep
     ignored = open(os.path.join(ROOT, ".gitignore")).read().split()
     assert "/.megatron-lm/" in ignored and "/.whl/" in ignored    # carried, never committed
 
