@@ -47,4 +47,6 @@ SET=(
   tests/test_mcore_versions.py::test_no_deprecation_notice_from_dhelix_spec
 )
 echo "test_megatron_core: megatron-core $V, Megatron-LM training code at $MEGATRON_LM"
-exec python3 -m pytest -q -p no:cacheprovider --timeout=900 "${SET[@]}" "$@"
+# (the MoE bench's rows are a benchmark, not an equivalence: 80 s, left to the suite)
+exec python3 -m pytest -q -p no:cacheprovider --timeout=900 "${SET[@]}" \
+    --deselect tests/test_moe.py::test_bench_expert_parallel_rows "$@"
