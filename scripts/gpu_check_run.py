@@ -10,7 +10,8 @@
 comments). A command runs under `bash -c` in its own process group, with $T a scratch
 folder outside $OUT, PYTHONFAULTHANDLER=1, no core files; its log goes to $T/logs. At its
 timeout the group gets SIGABRT (every Python thread's stack lands in the log), SIGKILL
-GRACE_S later. A timed-out step ends the run: a hang. Exit 77 from a command: skipped, its
+GRACE_S later. A timed-out step (a hang, or only slow) skips the steps that need it
+(`after=`), not the rest; the run's status is then "hang". Exit 77 from a command: skipped, its
 last line the reason. TIMEOUT_S `-` with a command `@compare ...`/`@compare-logs ...`: a
 builtin, run here. OPTIONS: `required` (a failure ends the run), `extra` (not part of the
 worst case the plan promises: runs only if its timeout still fits), `gpus=N` (skipped on
@@ -20,7 +21,11 @@ left of the budget less RESERVE_S, else it is skipped ("skip: no time left"). $O
 summary.json (rewritten after each step: every step's name, status, seconds, numbers, last
 log lines, and the log tail of a failure or hang), the `keep` files, hang.log (the hung
 step's log) and at most MAX_FAIL_LOGS failed steps' logs: never more than OUT_FILES_MAX.
-Standard library only (the runner starts before anything is installed).
+`--dry-run DIR`: every command step is replaced by copying recorded results from DIR
+(`NAME.json` / `NAME.log`, the step name's `/` as `-`) to the `--json PATH` or
+`.../megatron-lm-<mode>.log` the command names; the builtins then gate on them: the plan's
+order, dependencies and gates checked without running anything (a CPU test; or a device
+run's results replayed).
 Standard library only (the runner starts before anything is installed)."""
 from __future__ import annotations
 
@@ -133,6 +138,26 @@ def _result_numbers(path: str) -> Optional[Dict]:
     return found
 
 
+def dry_command(cmd: str, name: str, dry: str, log_path: str) -> int:
+    """--dry-run: instead of `cmd`, copy the recorded results of step `name` from `dry`
+    to where `cmd` would write them (its `--json PATH`; a Megatron-LM step's log)."""
+    import shutil
+    key = name.replace("/", "-")
+    done = []
+    m = re.search(r"--json\s+(\S+)", cmd)
+    if m and os.path.isfile(os.path.join(dry, key + ".json")):
+        shutil.copyfile(os.path.join(dry, key + ".json"), m.group(1))
+        done.append(m.group(1))
+    m = re.search(r"LOGDIR=(\S+).*gpu_megatron_lm\.sh\s+(\w+)", cmd)
+    if m and os.path.isfile(os.path.join(dry, key + ".log")):
+        dst = os.path.join(m.group(1), f"megatron-lm-{m.group(2)}.log")
+        shutil.copyfile(os.path.join(dry, key + ".log"), dst)
+        done.append(dst)
+    with open(log_path, "a") as f:
+        f.write(f"dry run: {', '.join(done) if done else 'nothing recorded'}\n")
+    return 0
+
+
 def probe_gpus() -> Tuple[int, List[str]]:
     try:
         r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
@@ -145,7 +170,7 @@ def probe_gpus() -> Tuple[int, List[str]]:
 
 def run_plan(steps: Sequence[Step], out: str, budget_s: float, gpus: Optional[int] = None,
              only: Optional[Sequence[str]] = None, cwd: Optional[str] = None,
-             clock: Callable[[], float] = time.monotonic) -> int:
+             clock: Callable[[], float] = time.monotonic, dry: Optional[str] = None) -> int:
     """Run the plan; 0: all that ran passed, 1: a failure, 2: a hang (or interrupted)."""
     budget = Budget(budget_s, clock)
     cwd = cwd or os.getcwd()
@@ -180,6 +205,9 @@ def run_plan(steps: Sequence[Step], out: str, budget_s: float, gpus: Optional[in
     summary.line(f"gpu check: {gpus} GPU(s) {names}; budget {budget_s:g} s; scratch {tmp}")
     if not gpus:
         summary.line("  (no GPU in `nvidia-smi -L`: the GPU steps skip; --gpus N overrides)")
+    if dry:
+        summary.data["dry_run"] = os.path.abspath(dry)
+        summary.line(f"  (dry run: recorded results from {dry}; no command runs)")
     try:
         for s in steps:
             rec = summary.step({"name": s.name, "section": s.section, "timeout_s": s.timeout,
@@ -216,7 +244,10 @@ def run_plan(steps: Sequence[Step], out: str, budget_s: float, gpus: Optional[in
                     f.write("\n".join(lines) + "\n")
                 rec.update(numbers=num, lines=lines)
             else:
-                rc, timed_out = run_command(s.command, s.timeout, log, env, cwd)
+                if dry:
+                    rc, timed_out = dry_command(_expand(s.command, env), s.name, dry, log), False
+                else:
+                    rc, timed_out = run_command(s.command, s.timeout, log, env, cwd)
                 rec["rc"] = rc
                 last = _last_lines(log)
                 rec["lines"] = last
@@ -250,7 +281,9 @@ def run_plan(steps: Sequence[Step], out: str, budget_s: float, gpus: Optional[in
             summary.line(f"[{budget.elapsed():4.0f}s] {s.name}: {st} ({rec['seconds']:.1f} s)"
                          + "".join(f"\n    {l}" for l in rec.get("lines", [])[-3:]))
             if st == "timeout":
-                hang, stop = True, f"after the hang in {s.name}"
+                # only what depends on it is lost (after=): a slow step is not a reason
+                # to skip the measurements that follow it; its group is already killed
+                hang = True
             elif st == "fail" and s.required:
                 stop = f"{s.name} failed"
             summary.write()
@@ -292,6 +325,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     r.add_argument("--gpus", type=int, default=None, help="instead of nvidia-smi -L")
     r.add_argument("--plan", action="store_true", help="print the plan as JSON; run nothing")
     r.add_argument("--plan-file", default=None, help="instead of stdin")
+    r.add_argument("--dry-run", default=None, metavar="DIR",
+                   help="copy recorded results from DIR instead of running commands")
     c = sub.add_parser("compare", help="two dhelix train --json results")
     c.add_argument("a"), c.add_argument("b"), c.add_argument("tol", type=float)
     c.add_argument("timing", nargs="?")
@@ -319,7 +354,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(plan_report(steps, a.budget, 1 if a.gpus is None else a.gpus, only),
                          indent=1))
         return 0
-    return run_plan(steps, a.out, a.budget, a.gpus, only)
+    return run_plan(steps, a.out, a.budget, a.gpus, only, dry=a.dry_run)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,22 @@ so the collective reads its input late; the input's last Python reference is dro
 a tensor of the same size is allocated and filled with -1 on the compute stream (the
 caching allocator hands it the freed block unless the lane recorded or kept the input);
 then `resolve`, and the output must equal the input (on one rank all-gather,
-reduce-scatter, all-reduce and all-to-all are the identity). A control runs the unsafe
-pattern (NCCL on a side stream, input not recorded): when it comes out corrupted, the
-check is known to see this bug on this machine. P2P (send/recv, ring_exchange, p2p)
-needs two ranks: skipped. Exit 0 pass, 1 fail, 77 no CUDA."""
+reduce-scatter, all-reduce and all-to-all are the identity). The lane's own reference to
+its inputs (`Pending.keep`) is dropped right after the launch, so only the lane's
+`record_stream` keeps the block from the compute stream: what the check tests. A control
+runs the unsafe pattern (NCCL on a side stream, input not recorded): when it comes out
+corrupted, the check is known to see this bug on this machine. P2P (send/recv,
+ring_exchange, p2p) needs two ranks: skipped.
+
+**overlap**: a lane's work (a `_sleep` of about 50 ms, then an all-reduce, launched through
+CudaLanes as DHelix launches a collective) beside a loop of GEMMs of about 50 ms on the
+compute stream: each alone, then both (lane first, as a step issues its comm before the
+other strand's compute), timed on the compute stream with CUDA events. The overlap
+effectiveness OEF = (T_gemm + T_lane − T_both) / min(T_gemm, T_lane) must be at least
+OVERLAP_MIN: the pair takes about the longer of the two, not their sum. It runs at the
+process's CUDA_DEVICE_MAX_CONNECTIONS (gpu_check.sh: 1, as every `dhelix train` sets),
+where a lane stream waiting on a dependency can hold the single hardware queue.
+Exit 0 pass, 1 fail, 77 no CUDA."""
 from __future__ import annotations
 
 import json
@@ -29,6 +41,7 @@ SKIP_RC = 77         # gpu_check_run.py reads it as a skip
 
 SLEEP_S = 0.05
 SHAPE = (1024, 1024)          # 4 MiB of fp32: a large-pool block, handed over whole
+OVERLAP_MIN = 0.5             # OEF the lane and the compute stream must reach together
 
 
 def _free_port() -> int:
@@ -89,6 +102,9 @@ def lanes_check() -> Tuple[int, Dict]:
             with torch.cuda.stream(s):
                 torch.cuda._sleep(cycles)
         handle = launch(x)
+        for p in handle if isinstance(handle, list) else [handle]:
+            if hasattr(p, "keep"):
+                p.keep = ()         # only the lane's record_stream protects the input now
         ptr = x.data_ptr()
         del x
         y = torch.empty(SHAPE, dtype=torch.float32, device=dev)
@@ -148,6 +164,13 @@ def lanes_check() -> Tuple[int, Dict]:
     control = race(6, [side], unsafe, unsafe_resolve)
     control["corrupted"] = control.pop("status") == "fail" and "error" not in control
 
+    try:
+        overlap = _overlap(torch, lanes, group, dev, cycles)
+    except Exception as e:
+        torch.cuda.synchronize()
+        overlap = {"status": "fail", "error": f"{type(e).__name__}: {e}"[:500]}
+    cases["overlap"] = overlap
+
     dist.destroy_process_group()
     checked = [c for c in cases.values() if c["status"] != "skip"]
     ok = all(c["status"] == "pass" for c in checked)
@@ -159,6 +182,50 @@ def lanes_check() -> Tuple[int, Dict]:
            "cases": cases, "control": control,
            "control_sees_the_bug": control["corrupted"]}
     return (0 if ok else 1), res
+
+
+def _overlap(torch, lanes, group, dev, cycles) -> Dict:
+    """T_gemm, T_lane and T_both (ms, CUDA events on the compute stream) and their OEF."""
+    a = torch.randn(2048, 2048, device=dev)
+    out = torch.empty_like(a)
+    buf = torch.ones(1 << 20, device=dev)
+    compute = torch.cuda.current_stream()
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(compute)
+        fn()
+        e1.record(compute)
+        torch.cuda.synchronize()
+        return e0.elapsed_time(e1)
+
+    def gemms(n):
+        for _ in range(n):
+            torch.mm(a, a, out=out)
+
+    gemms(3)                                           # warm-up (cuBLAS handles, clocks)
+    n = max(1, int(round(SLEEP_S * 1000 / max(timed(lambda: gemms(10)) / 10, 1e-3))))
+
+    def lane():
+        s = lanes._stream("inter")
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(cycles)
+        return lanes.all_reduce("overlap", buf, group, "inter")
+
+    lane_alone = timed(lambda: lanes.resolve(lane()))
+    gemm_alone = timed(lambda: gemms(n))
+
+    def both():
+        p = lane()
+        gemms(n)
+        lanes.resolve(p)
+    together = timed(both)
+    oef = (gemm_alone + lane_alone - together) / max(min(gemm_alone, lane_alone), 1e-6)
+    return {"status": "pass" if oef >= OVERLAP_MIN else "fail", "oef": round(oef, 3),
+            "gemm_ms": round(gemm_alone, 2), "lane_ms": round(lane_alone, 2),
+            "both_ms": round(together, 2), "gemms": n, "min_oef": OVERLAP_MIN,
+            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
 
 
 def lanes_main() -> int:

@@ -2,7 +2,8 @@
 # Megatron-LM's own pretrain_gpt.py on one GPU, with and without --dhelix (TP=1, mock
 # data, 20 iterations, bf16), and the logged losses compared.
 #   bash scripts/gpu_megatron_lm.sh [both|megatron|sdpa|dhelix]      (default: both + compare)
-# Needs a CUDA torch, megatron-core 0.16.1, Megatron-LM's training code and its small
+# Needs a CUDA torch, megatron-core (0.19.2 or 0.16.1), Megatron-LM's training code of the
+# pairing tag (core_v0.19.0 or core_v0.16.1) and its small
 # packages (pip install -e ".[megatron-lm]": six, regex, triton, pydantic). The training
 # code is found at $MEGATRON_LM, else ./.megatron-lm (the copy scripts/gpu_prep.sh makes,
 # carried to the lent GPU machine), else ../shared/megatron-lm (tag core_v0.16.1); none:
@@ -14,8 +15,12 @@
 # the prebuilt helper (printed). Logs: ${LOGDIR:-${OUT:-gpu-check}}/megatron-lm-NAME.log.
 # Each run has a timeout of ML_TIMEOUT s (default 400; 0: none, for a caller that times
 # the whole script: scripts/gpu_check.sh does, and SIGABRTs the process group).
+# torch.compile is off (TORCHDYNAMO_DISABLE=1) in every mode alike: megatron-core wraps its
+# fused activations and bias-dropout-adds in torch.compile, whose first compiles on a fresh
+# machine would eat the GPU check's budget; eager kernels cost both sides the same.
 set -uo pipefail
 export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+export TORCHDYNAMO_DISABLE=${TORCHDYNAMO_DISABLE:-1}
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [ -n "${MEGATRON_LM:-}" ]; then ML=$MEGATRON_LM
 elif [ -f .megatron-lm/pretrain_gpt.py ]; then ML=.megatron-lm
@@ -50,8 +55,11 @@ if not os.path.exists(os.path.join(os.path.dirname(ds.__file__), "Makefile")):
     du.compile_helpers = compile_helpers
 from torch.utils import cpp_extension
 if cpp_extension.CUDA_HOME is None:   # fused_kernels.load only reads `nvcc -V` (builds none)
-    import megatron.legacy.fused_kernels as fk
-    fk.load = lambda args: print("> fused kernels: none built (no CUDA_HOME)")
+    try:                                # megatron.legacy: core_v0.16.1's code only
+        import megatron.legacy.fused_kernels as fk
+        fk.load = lambda args: print("> fused kernels: none built (no CUDA_HOME)")
+    except ImportError:
+        pass
 sys.argv = sys.argv[2:]
 runpy.run_path(script, run_name="__main__")
 PY

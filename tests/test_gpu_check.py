@@ -57,8 +57,9 @@ def test_shell_scripts_parse(script):
 def test_plan_fits_the_lent_machine():
     """One GPU: the steps that always run, each at its timeout plus the SIGABRT->SIGKILL
     grace, with the GPU probe and the final reserve, end within 540 s with headroom; the
-    run can leave at most 8 files in $OUT; the order is setup, lanes, fp32, Megatron-LM,
-    timing; extras come after."""
+    run can leave at most 8 files in $OUT; the order protects the timing: setup, lanes,
+    fp32, timing, then the distributed optimizer and recompute; extras (Megatron-LM among
+    them) come after."""
     p = _plan()
     assert p["budget_s"] == 540 and p["gpus"] == 1
     core = [s for s in p["steps"] if s["runs_with_gpus"] and not s["extra"]]
@@ -71,7 +72,7 @@ def test_plan_fits_the_lent_machine():
     for s in core:
         if s["section"] not in sections:
             sections.append(s["section"])
-    assert sections == ["setup", "lanes", "fp32", "megatron-lm", "timing"]
+    assert sections == ["setup", "lanes", "fp32", "timing", "distopt", "recompute"]
     last_core = max(i for i, s in enumerate(p["steps"]) if not s["extra"])
     assert all(s["extra"] for s in p["steps"][last_core + 1:])
     assert all(s["extra"] for s in p["steps"] if s["gpus"] > 1)
@@ -79,8 +80,18 @@ def test_plan_fits_the_lent_machine():
         assert (s["timeout_s"] is None) == s["command"].startswith("@"), s
     by = {s["name"]: s for s in p["steps"]}
     assert "gpu_lanes_check.py" in by["lanes"]["command"]
-    assert "CUDA_DEVICE_MAX_CONNECTIONS=32" in by["lanes"]["command"]
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in by["lanes"]["command"]   # as dhelix train
     assert "gpu_megatron_lm.sh" in by["megatron-lm/dhelix"]["command"]
+    assert by["megatron-lm/dhelix"]["extra"]
+    # every pair of runs is compared, and the timing compare gates on the goals
+    assert by["timing/compare"]["command"].endswith(" timing")
+    assert by["megatron-lm/same-kernels"]["after"] == ["megatron-lm/sdpa",
+                                                        "megatron-lm/dhelix"]
+    for name in ("fp32", "distopt", "recompute", "moe", "fp16", "selective"):
+        assert by[f"{name}/compare"]["command"].startswith("@compare "), name
+        assert by[f"{name}/compare"]["after"] == [f"{name}/base", f"{name}/dhelix"]
+    assert "hidden_dropout: 0.1" in by["recompute/base"]["command"]
+    assert by["resume/compare"]["command"].startswith("@compare-resumed ")
     assert by["setup"]["required"] and by["setup"]["gpus"] == 0
     # what --only and a smaller budget leave (a rerun)
     q = _plan("--budget", "240", "--only", "setup,lanes,fp32/base,fp32/dhelix,fp32/compare")
@@ -155,7 +166,8 @@ def test_compare_builtins(tmp_path):
 def test_runner_stops_at_a_hang_with_the_stacks(tmp_path):
     """pass, fail (its log kept), skip by exit 77, skip after a failed step, a kept file, a
     builtin, then a Python step that hangs: SIGABRT at its timeout, faulthandler's dump in
-    the summary and in hang.log, and every later step skipped."""
+    the summary and in hang.log; a later step that needs it skipped, a later independent
+    step still run (a slow step costs only what depends on it)."""
     a = json.dumps({"losses": [1.0], "tokens_per_s": 1.0, "peak_memory_bytes": 1})
     plan = f"""
 ok     | 10 |             | echo hello; echo 'RESULT {{"x": 1}}'
@@ -165,7 +177,8 @@ absent | 10 |             | echo "skip: no such thing here"; exit 77
 dep    | 10 | after=bad   | echo never
 cmp    | -  | after=files | @compare $T/a.json $T/b.json 1e-5
 hang   | 2  |             | python3 -c "import time; print('waiting', flush=True); time.sleep(60)"
-later  | 10 |             | echo never
+hdep   | 10 | after=hang  | echo never
+later  | 10 |             | echo later
 """
     t0 = time.monotonic()
     r, s, by, files = _run(plan, tmp_path)
@@ -181,8 +194,9 @@ later  | 10 |             | echo never
     h = by["hang"]
     assert h["status"] == "timeout" and 2 <= h["seconds"] < 2 + gc.GRACE_S + 3
     assert "most recent call first" in h["tail"] and "<string>" in h["tail"], h["tail"]
-    assert by["later"]["status"] == "skip: after the hang in hang"
-    assert s["counts"] == {"pass": 3, "fail": 1, "skip": 3, "timeout": 1}
+    assert by["hdep"]["status"] == "skip: needs hang (timeout)"
+    assert by["later"]["status"] == "pass" and by["later"]["lines"] == ["later"]
+    assert s["counts"] == {"pass": 4, "fail": 1, "skip": 3, "timeout": 1}
     assert files == sorted(s["files"]) == ["fail-1-of-3.log", "hang.log", "k.txt",
                                            "summary.json"]
     assert "most recent call first" in (tmp_path / "out" / "hang.log").read_text()
@@ -245,3 +259,214 @@ def test_lanes_check_skips_without_cuda():
     assert r.returncode == 77, r.stderr
     res = json.loads(re.search(r"^RESULT (.*)$", r.stdout, re.M).group(1))
     assert res == {"status": "skip", "reason": "no CUDA device"}
+
+
+# ---- the gates, on planted wrong results ----------------------------------------------
+
+def _result(steps=3, speed=1000.0, memory=2**30):
+    """A `dhelix train --json --checksums` result of a few parameters."""
+    names = ["embedding.word_embeddings.weight", "decoder.layers.0.mlp.linear_fc1.weight",
+             "decoder.layers.0.self_attention.linear_qkv.bias"]
+    grads = [{n: [0.01 * (i + 1) * (k + 1), 0.5 + i + k] for k, n in enumerate(names)}
+             for i in range(steps)]
+    return {"losses": [6.0 - 0.1 * i for i in range(steps)], "tokens_per_s": speed,
+            "peak_memory_bytes": memory, "grad_checksums": grads,
+            "weight_checksums": {n: [1.0 + k, 3.0 + k] for k, n in enumerate(names)}}
+
+
+def _flip_grad(r, step=1, name="decoder.layers.0.mlp.linear_fc1.weight"):
+    r = json.loads(json.dumps(r))
+    r["grad_checksums"][step][name][0] *= -1        # a gradient sign flip
+    return r
+
+
+def _dropped_update(r, name="decoder.layers.0.self_attention.linear_qkv.bias"):
+    r = json.loads(json.dumps(r))
+    r["weight_checksums"][name] = [2.5, 4.0]        # the weight as it was before a step
+    return r
+
+
+def _compare(tmp_path, a, b, tol=1e-5, timing=False):
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    return gc.compare_runs(str(tmp_path / "a.json"), str(tmp_path / "b.json"), tol, timing)
+
+
+def test_compare_gates_catch_planted_faults(tmp_path):
+    """Equal runs pass; each planted fault fails with a line naming it: a gradient's sign
+    flipped at one step (losses unchanged), a weight update dropped (final weights only),
+    a parameter missing on one side, a NaN loss, 0.9x speed, 1.1x memory."""
+    base = _result()
+    ok, num, lines = _compare(tmp_path, base, base)
+    assert ok and num["failures"] == 0 and not any(l.startswith("FAIL") for l in lines)
+    ok, _, lines = _compare(tmp_path, base, _flip_grad(base))
+    assert not ok and any("gradient step 2 decoder.layers.0.mlp.linear_fc1.weight" in l
+                          for l in lines), lines
+    ok, _, lines = _compare(tmp_path, base, _dropped_update(base))
+    assert not ok and any(l.startswith("FAIL final weight decoder.layers.0.self_attention")
+                          for l in lines), lines
+    missing = json.loads(json.dumps(base))
+    del missing["weight_checksums"]["embedding.word_embeddings.weight"]
+    ok, _, lines = _compare(tmp_path, base, missing)
+    assert not ok and any("only in the baseline" in l for l in lines), lines
+    ok, _, lines = _compare(tmp_path, base, dict(base, losses=[6.0, float("nan"), 5.8]))
+    assert not ok and any(l.startswith("FAIL losses: step 2") for l in lines), lines
+    # a sum near zero of large entries is measured against its sum of squares' root
+    near = json.loads(json.dumps(base))
+    near["grad_checksums"][0]["embedding.word_embeddings.weight"] = [1e-9, 4.0]
+    other = json.loads(json.dumps(near))
+    other["grad_checksums"][0]["embedding.word_embeddings.weight"] = [2e-9, 4.0]
+    assert _compare(tmp_path, near, other)[0]
+    slow = dict(base, tokens_per_s=900.0)
+    ok, num, lines = _compare(tmp_path, base, slow, 5e-2, timing=True)
+    assert not ok and not num["goal_speed_met"] and "FAIL speed 0.900x < goal 0.97x" in lines
+    assert _compare(tmp_path, base, slow)[0], "speed gates only the timing compare"
+    ok, num, lines = _compare(tmp_path, base, dict(base, peak_memory_bytes=int(1.1 * 2**30)),
+                              5e-2, timing=True)
+    assert not ok and not num["goal_memory_met"]
+    assert _compare(tmp_path, base, dict(base, tokens_per_s=980.0,
+                                         peak_memory_bytes=int(1.04 * 2**30)), 5e-2, True)[0]
+
+
+def test_compare_resumed(tmp_path):
+    """A resumed run's steps against the straight run's last ones, and the weights."""
+    straight = _result(steps=10)
+    resumed = dict(straight, losses=straight["losses"][5:],
+                   grad_checksums=straight["grad_checksums"][5:])
+    for name, d in (("s", straight), ("r", resumed), ("bad", _dropped_update(resumed))):
+        (tmp_path / f"{name}.json").write_text(json.dumps(d))
+    ok, num, _ = gc.compare_resumed(tmp_path / "s.json", tmp_path / "r.json", 1e-5)
+    assert ok and num["resumed_steps"] == 5
+    ok, _, lines = gc.compare_resumed(tmp_path / "s.json", tmp_path / "bad.json", 1e-5)
+    assert not ok and any("final weight" in l for l in lines)
+    shifted = dict(resumed, losses=straight["losses"][4:9])      # one step off
+    (tmp_path / "x.json").write_text(json.dumps(shifted))
+    assert not gc.compare_resumed(tmp_path / "s.json", tmp_path / "x.json", 1e-5)[0]
+
+
+def _record(plan, rec, faults=None):
+    """Recorded results for every step of the real plan that writes one (its `--json`
+    file, or a Megatron-LM log): equal runs, except the `faults` {step: fn(result)}."""
+    faults = faults or {}
+    good = _result(steps=10)
+    log = "".join(f" iteration {i} | elapsed time per iteration (ms): 100.0 | lm loss: "
+                  f"{6.0 - 0.01 * i:.6E} |\n" for i in range(1, 11))
+    for s in plan["steps"]:
+        key = s["name"].replace("/", "-")
+        if "--json" in s["command"]:
+            r = good
+            if s["name"] == "resume/resumed":
+                r = dict(good, losses=good["losses"][5:],
+                         grad_checksums=good["grad_checksums"][5:])
+            r = faults.get(s["name"], lambda x: x)(r)
+            (rec / f"{key}.json").write_text(json.dumps(r))
+        elif "gpu_megatron_lm.sh" in s["command"]:
+            (rec / f"{key}.log").write_text(log)
+
+
+@pytest.mark.parametrize("fault", ["none", "gradient sign", "dropped update", "speed 0.9x"])
+def test_dry_run_of_the_whole_plan(tmp_path, fault):
+    """scripts/gpu_check.sh --dry-run on recorded results, one GPU: every step of the real
+    plan in its order, each command replaced by its recorded result, every gate judging
+    them. Equal runs: everything runs and passes (the multi-GPU steps skip). A planted
+    fault fails exactly its own gate: a gradient's sign flipped in the fp32 DHelix run, a
+    dropped weight update in the distributed optimizer's DHelix run, 0.9x speed in the
+    timing row's."""
+    plan = _plan()
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    planted = {"none": ({}, None),
+               "gradient sign": ({"fp32/dhelix": _flip_grad}, "fp32/compare"),
+               "dropped update": ({"distopt/dhelix": _dropped_update}, "distopt/compare"),
+               "speed 0.9x": ({"timing/dhelix": lambda r: dict(r, tokens_per_s=900.0)},
+                              "timing/compare")}[fault]
+    _record(plan, rec, planted[0])
+    out = tmp_path / "out"
+    r = subprocess.run(["bash", os.path.join(SCRIPTS, "gpu_check.sh"), "--gpus", "1",
+                        "--dry-run", str(rec), "--out", str(out)], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    s = json.loads((out / "summary.json").read_text())
+    by = {x["name"]: x for x in s["steps"]}
+    assert [x["name"] for x in s["steps"]] == [x["name"] for x in plan["steps"]]
+    multi = set()                   # the steps that need 2 GPUs, or a step that does
+    for x in plan["steps"]:
+        if x["gpus"] > 1 or any(d in multi for d in x["after"]):
+            multi.add(x["name"])
+    single = [x for x in plan["steps"] if x["name"] not in multi]
+    for x in single:
+        want = "fail" if x["name"] == planted[1] else "pass"
+        assert by[x["name"]]["status"] == want, (x["name"], by[x["name"]])
+    assert len(multi) >= 10
+    for name in multi:
+        assert by[name]["status"].startswith("skip: needs "), name
+    compares = [x["name"] for x in single if x["command"].startswith("@")]
+    assert len(compares) >= 11 and all(by[c]["numbers"] for c in compares)
+    assert by["timing/compare"]["numbers"]["goal_speed_met"] == (fault != "speed 0.9x")
+    assert (r.returncode, s["status"]) == ((0, "pass") if fault == "none" else (1, "fail"))
+
+
+# ---- device decisions on a GPU machine (stubbed: no GPU here) -------------------------
+
+def test_a_rank_forced_to_cpu_patches_megatron_even_where_cuda_is_visible():
+    """A stub, honestly: torch.cuda.is_available is made to answer True in a fresh
+    process (no GPU here). With DHELIX_FORCE_CPU=1 (what every test rank sets) the process
+    counts as CPU: the compat patches apply and megatron's buffers land on the CPU, the
+    hardware is the CPU; without it they do not apply (the CUDA path, untested here)."""
+    code = """
+import json, torch
+torch.cuda.is_available = lambda: True
+from dhelix.base.hardware import hardware, uses_cuda
+from dhelix.compat import cpu
+applied = cpu.apply()
+import megatron.core.tensor_parallel.mappings as m
+print(json.dumps({"uses_cuda": uses_cuda(), "applied": applied,
+                  "device": str(m.torch.cuda.current_device()) if applied else None,
+                  "hardware": None if uses_cuda() else hardware()["device"].split(":")[0]}))
+"""
+    def run(force):
+        env = dict(os.environ)
+        env.pop("DHELIX_FORCE_CPU", None)
+        if force:
+            env["DHELIX_FORCE_CPU"] = "1"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, env=env, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    assert run(True) == {"uses_cuda": False, "applied": True, "device": "cpu",
+                         "hardware": "cpu"}
+    visible = run(False)
+    assert visible["uses_cuda"] is True and visible["applied"] is False
+
+
+def test_rng_state_of_the_other_device_is_not_restored(monkeypatch):
+    """A save's RNG state records its device; one from the other device type is not
+    restored (torch.cuda.set_rng_state would fail after the model and optimizer loaded)
+    and says so in the `resumed from` line; a save without the record is told by its CUDA
+    generator state's size. The GPU side is a stub: uses_cuda made to answer True."""
+    import torch
+    from dhelix.train import checkpoint as ck
+    cpu_state = {"cuda_rng_state": torch.get_rng_state(), "rng_device": "cpu"}
+    legacy_cpu = {"cuda_rng_state": torch.get_rng_state()}
+    legacy_gpu = {"cuda_rng_state": torch.zeros(16, dtype=torch.uint8)}
+    assert [ck.rng_device(s) for s in (cpu_state, legacy_cpu, legacy_gpu)] == \
+        ["cpu", "cpu", "cuda"]
+    assert ck.rng_restorable(cpu_state) is None and ck.rng_restorable(legacy_cpu) is None
+    assert ck.rng_restorable(legacy_gpu).startswith("RNG state, saved on CUDA; this run "
+                                                    "is on cpu")
+    monkeypatch.setattr(ck, "uses_cuda", lambda: True)
+    assert "saved on cpu; this run is on CUDA" in ck.rng_restorable(cpu_state)
+    assert ck.rng_restorable(legacy_gpu) is None
+    r = ck.Resumed("ck/iter_0000002", 2, restored=["optimizer state"],
+                   skipped=[ck.rng_restorable(cpu_state)])
+    assert r.line().startswith("resumed from ck/iter_0000002: iteration 2, optimizer "
+                               "state (not restored: RNG state, saved on cpu")
+
+
+def test_cuda_lane_events_carry_timing_only_for_a_trace():
+    """CudaLanes' comm events are created without timestamps unless a trace's CUDA clock
+    reads them (constructing the lanes touches no device)."""
+    from dhelix.strand.lanes import CudaLanes
+    from dhelix.strand.trace import CudaClock, clock_for
+    lanes = CudaLanes()
+    assert lanes.timing is False
+    assert isinstance(clock_for(lanes), CudaClock) and lanes.timing is True

@@ -1,6 +1,9 @@
-"""The few CUDA assumptions of megatron-core 0.16, met on CPU (DESIGN §4 (c), (d)).
+"""The few CUDA assumptions of megatron-core, met on CPU (DESIGN §4 (c), (d)).
 
-Applied only when CUDA is absent, by `apply()`; nothing else in DHelix patches megatron.
+Applied only when the process does not compute on CUDA (`base.hardware.uses_cuda`: no
+device, or DHELIX_FORCE_CPU=1 as the test ranks set: on a GPU machine a CPU rank still
+sees CUDA, and megatron would put its buffers there beside a CPU model), by `apply()`;
+nothing else in DHelix patches megatron.
   (c) megatron allocates gather / all-to-all / grad buffers on `torch.cuda.current_device()`:
       inside those modules only, `torch.cuda.current_device()` answers "cpu".
   (f) the MoE all-to-all dispatcher's side stream (see `_NoStream`); with
@@ -35,6 +38,7 @@ import weakref
 
 import torch
 
+from dhelix.base.hardware import uses_cuda
 from dhelix.base.strict import strict
 
 _APPLIED = False
@@ -293,7 +297,7 @@ _CUDA_TYPE = {"torch.FloatTensor": "torch.cuda.FloatTensor",
 def cuda_type_names():
     """(j) While megatron builds an optimizer on CPU: `t.type()` of a CPU float tensor
     names its CUDA type, the only kind megatron's optimizers wrap. Nothing on CUDA."""
-    if torch.cuda.is_available():
+    if uses_cuda():
         yield
         return
     real = torch.Tensor.type
@@ -332,7 +336,7 @@ def apply() -> bool:
     global _APPLIED
     _moe_router_without_te()
     _in_process_write_results()
-    if torch.cuda.is_available():
+    if uses_cuda():
         return False
     if _APPLIED:
         return True

@@ -63,6 +63,9 @@ class CudaLanes(Lanes):
     def __init__(self):
         super().__init__()
         self.streams: Dict[str, torch.cuda.Stream] = {}
+        # timestamps on the comm events only while a trace reads them (`trace.clock_for`
+        # turns it on): an event without timing is cheaper to record and to wait on
+        self.timing = False
 
     def _stream(self, lane):
         if lane not in self.streams:
@@ -77,7 +80,7 @@ class CudaLanes(Lanes):
             h = fn(*inputs)
             if isinstance(h, _AllWorks):
                 h.wait()        # NCCL: makes the lane stream wait, not the host
-            ev = torch.cuda.Event(enable_timing=True)   # the trace's device clock reads it
+            ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(s)
         # The allocator may hand a block freed on the compute stream to the compute
         # stream's next op at once: the lane stream's use of the inputs (NCCL keeps no

@@ -98,8 +98,13 @@ class CudaClock:
 
 
 def clock_for(lanes) -> "HostClock | CudaClock":
+    """The clock that times ops on `lanes`; CUDA lanes then time-stamp their comm events
+    (the clock reads them), which they do not otherwise."""
     from dhelix.strand.lanes import CudaLanes
-    return CudaClock() if isinstance(lanes, CudaLanes) else HostClock()
+    if isinstance(lanes, CudaLanes):
+        lanes.timing = True
+        return CudaClock()
+    return HostClock()
 
 
 @dataclass

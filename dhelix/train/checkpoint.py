@@ -24,12 +24,13 @@ import random
 import shutil
 from types import SimpleNamespace as Namespace    # what Megatron-LM saves as `args`
 from dataclasses import asdict, dataclass, field
-from typing import List
+from typing import List, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from dhelix.base.hardware import uses_cuda
 from dhelix.compat import mcore
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -168,12 +169,14 @@ def _rng_state(layout):
     streams)."""
     from megatron.core import parallel_state as ps, tensor_parallel
     from megatron.core.dist_checkpointing import ShardedObject
+    cuda = uses_cuda()
     state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
              "torch_rng_state": torch.get_rng_state(),
              # no CUDA generator on a CPU rank: its CPU one stands in
-             "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else
-             torch.get_rng_state(),
-             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
+             "cuda_rng_state": torch.cuda.get_rng_state() if cuda else torch.get_rng_state(),
+             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+             # the device whose generators these are (Megatron-LM ignores the key)
+             "rng_device": "cuda" if cuda else "cpu"}
     pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     pps, tps = (ps.get_pipeline_model_parallel_world_size(),
                 ps.get_tensor_model_parallel_world_size())
@@ -184,12 +187,33 @@ def _rng_state(layout):
     return ShardedObject("rng_state", [state], (pps, tps), (pp, tp), replica_id=dp)
 
 
+def rng_device(state: dict) -> str:
+    """The device type whose generators a saved RNG state holds: its `rng_device`; a save
+    without it (older, or Megatron-LM's own) by its CUDA generator state's size (CUDA's
+    Philox state is 16 bytes, the CPU Mersenne twister's 5056)."""
+    if "rng_device" in state:
+        return state["rng_device"]
+    return "cuda" if state["cuda_rng_state"].numel() < 64 else "cpu"
+
+
+def rng_restorable(state: dict) -> Optional[str]:
+    """None if this process can restore `state`, else why not: generator states of one
+    device type do not load into the other's (torch.cuda.set_rng_state would fail after
+    the model and optimizer had loaded)."""
+    saved, mine = rng_device(state), "cuda" if uses_cuda() else "cpu"
+    if saved != mine:
+        return (f"RNG state, saved on {saved.upper() if saved == 'cuda' else saved}; this "
+                f"run is on {mine.upper() if mine == 'cuda' else mine}, whose generators "
+                f"start from --seed")
+    return None
+
+
 def _set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
-    if torch.cuda.is_available():
+    if uses_cuda():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
@@ -404,8 +428,13 @@ def load(chunks, optimizer, cfg, m, layout, finetune: bool = False,
         optimizer.optimizer.reload_model_params()
     if load_rng:
         rng = loaded["rng_state"]
-        _set_rng_state(rng[0] if isinstance(rng, list) else rng)
-        r.restored.append("RNG state")
+        rng = rng[0] if isinstance(rng, list) else rng
+        why_not = rng_restorable(rng)
+        if why_not:
+            r.skipped.append(why_not)
+        else:
+            _set_rng_state(rng)
+            r.restored.append("RNG state")
     if r.consumed_samples:
         r.restored.append("data position")
     return r

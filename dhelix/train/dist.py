@@ -41,7 +41,8 @@ def init_distributed(timeout_s: float = 120.0) -> DistInfo:
     local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    use_cuda = torch.cuda.is_available() and os.environ.get("DHELIX_FORCE_CPU") != "1"
+    from dhelix.base.hardware import uses_cuda
+    use_cuda = uses_cuda()
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(local % torch.cuda.device_count())
