@@ -136,7 +136,7 @@ def test_ctrl_c_is_one_line(tmp_path, to):
             p.wait()
     err = err_path.read_text()
     assert p.returncode == 130, err[-3000:]
-    assert err.strip() == "dhelix train: interrupted; stopped 2 ranks", err[-3000:]
+    assert err.strip() == "dhelix train: SIGINT received: stopped 2 ranks", err[-3000:]
     for k in kids:          # the ranks are gone (reaped by the launcher)
         assert not os.path.exists(f"/proc/{k}") or \
             open(f"/proc/{k}/stat").read().split()[2] == "Z", k

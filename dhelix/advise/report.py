@@ -87,7 +87,7 @@ def sbatch(path: str, m_name, lo, seq, gbs, m, cluster_name: str,
     node count and flags, for configs/slurm/CLUSTER.env."""
     gpus = lo.tp * lo.cp * lo.pp * lo.dp
     nodes = max(1, -(-gpus // gpus_per_node))
-    flags = megatron_flags(m_name, lo, seq, gbs, m)
+    flags = megatron_flags(m_name, lo, seq, gbs, m) + ["--exit-signal-handler"]
     if plan_path and lo.who == "dhelix":
         flags += ["--dhelix-plan", plan_path]
     env = f"configs/slurm/{cluster_name}.env"
@@ -95,13 +95,16 @@ def sbatch(path: str, m_name, lo, seq, gbs, m, cluster_name: str,
         f.write(f"""#!/bin/bash
 # dhelix advise: {m_name}, {lo.name()} on {gpus} GPUs of {cluster_name}.
 # Set MEGATRON_LM to a Megatron-LM checkout and add your data, tokenizer and checkpoint
-# flags to DATA_ARGS, then: sbatch {os.path.basename(path)}
+# flags to DATA_ARGS (with --save DIR --load DIR: near the time limit the ranks save and
+# the job submits itself again to go on, scripts/slurm/time_limit.sh), then:
+#   sbatch --time=HH:MM:SS {os.path.basename(path)}
 #SBATCH --job-name=dhelix-{m_name}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks-per-node={min(gpus, gpus_per_node)}
 #SBATCH --gpus-per-node={min(gpus, gpus_per_node)}
 #SBATCH --exclusive
 #SBATCH --output=dhelix-{m_name}-%j.out
+#SBATCH --signal=B:USR1@300
 set -euo pipefail
 DATA_ARGS=${{DATA_ARGS:-}}
 # shellcheck disable=SC2086

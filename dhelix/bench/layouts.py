@@ -139,27 +139,29 @@ def run_layouts(o: LayoutsOptions) -> int:
     log = os.path.join(work, "runs.log")
     results = []
     bar = tqdm(total=sum(2 + (r.pp > 1) for r in rows), desc="dhelix layouts", unit="run")
-    with launch(link) as (prefix, env):
-        for row in rows:
-            init = None
-            if row.pp > 1:       # one set of initial weights for both pipeline placements
-                init = os.path.join(work, f"init-{row.name}")
-                bar.set_postfix_str(f"{row.name} initial weights")
-                argv = ["train"] + _common(row, o) + ["--train-iters", "0", "--save", init]
-                _spawn(spawn_local, row.tp * row.cp * (row.ep if row.ep > 1 else 1), argv,
-                       prefix, env, log)
-                bar.update(1)
-            res = {}
-            for method in ("megatron", "dhelix"):
-                out = os.path.join(work, f"{row.name}-{method}.json")
-                bar.set_postfix_str(f"{row.name} {method}")
-                _spawn(spawn_local, row.world, _train_argv(row, o, method, out, init),
-                       prefix, env, log)
-                with open(out) as f:
-                    res[method] = json.load(f)
-                bar.update(1)
-            results.append(_row(row, res))
-    bar.close()
+    try:
+        with launch(link) as (prefix, env):
+            for row in rows:
+                init = None
+                if row.pp > 1:       # one set of initial weights for both pipeline placements
+                    init = os.path.join(work, f"init-{row.name}")
+                    bar.set_postfix_str(f"{row.name} initial weights")
+                    argv = ["train"] + _common(row, o) + ["--train-iters", "0", "--save", init]
+                    _spawn(spawn_local, row.tp * row.cp * (row.ep if row.ep > 1 else 1), argv,
+                           prefix, env, log)
+                    bar.update(1)
+                res = {}
+                for method in ("megatron", "dhelix"):
+                    out = os.path.join(work, f"{row.name}-{method}.json")
+                    bar.set_postfix_str(f"{row.name} {method}")
+                    _spawn(spawn_local, row.world, _train_argv(row, o, method, out, init),
+                           prefix, env, log)
+                    with open(out) as f:
+                        res[method] = json.load(f)
+                    bar.update(1)
+                results.append(_row(row, res))
+    finally:
+        bar.close()         # before a stopped launcher's last line
     _write(results, o)
     print(markdown(results))
     print(f"wrote {o.out}.md and {o.out}.json (runs' log: {log})")

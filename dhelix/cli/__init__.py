@@ -38,4 +38,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
     a.argv = argv                 # the command line, for the ranks --nproc starts
-    return a.func(a)
+    from dhelix.train.dist import LauncherStopped
+    try:
+        return a.func(a)
+    except LauncherStopped as e:   # its line last, after what the command closed on the way
+        print(f"dhelix {a.cmd}: {e.line()}", file=sys.stderr, flush=True)
+        return e.code

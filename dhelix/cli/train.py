@@ -116,6 +116,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="with --load: not the optimizer state (nor the scheduler's)")
     g.add_argument("--no-load-rng", action="store_true",
                    help="with --load: not the RNG states")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (to the launcher or any rank): finish the step, save to "
+                        "--save, exit 0 (Megatron-LM's flag; Slurm: --signal=B:TERM@S)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, metavar="M",
+                   help="save and exit 0 after the step that passes M minutes of training")
+    g.add_argument("--exit-interval", type=int, default=None, metavar="N",
+                   help="save and exit 0 after a step whose iteration is a multiple of N")
     g = p.add_argument_group("paced compute (an emulated cluster's time; docs/links.md)")
     g.add_argument("--compute", default="none", metavar="paced:CLUSTER[,x=F]",
                    help="with --dhelix and --link paced:...: every DHelix layer op waits out "
@@ -143,6 +150,8 @@ def train_config_from_args(a: argparse.Namespace) -> TrainConfig:
         moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
         save=a.save, load=a.load, save_interval=a.save_interval, finetune=a.finetune,
         no_load_optim=a.no_load_optim, no_load_rng=a.no_load_rng,
+        exit_signal_handler=a.exit_signal_handler,
+        exit_duration_in_mins=a.exit_duration_in_mins, exit_interval=a.exit_interval,
         data_parallel_size=a.data_parallel_size, sequence_parallel=a.sequence_parallel,
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
         seq_length=a.seq_length, train_iters=a.train_iters, seed=a.seed, bf16=a.bf16,

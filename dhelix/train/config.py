@@ -63,6 +63,9 @@ class TrainConfig:
     finetune: bool = False                       # --load the weights only, iteration 0
     no_load_optim: bool = False
     no_load_rng: bool = False
+    exit_signal_handler: bool = False            # SIGTERM: finish the step, save, exit 0
+    exit_duration_in_mins: Optional[float] = None
+    exit_interval: Optional[int] = None
     quiet: bool = False
     compute: str = "none"                        # paced:CLUSTER[,x=F] (train/emulate.py)
     emulate: str = ""                            # the emulated shape: MODEL[,seq=S][,mbs=B]
@@ -267,6 +270,11 @@ def check_checkpoint_flags(cfg: TrainConfig) -> None:
             raise ConfigError("--save-interval saves nowhere without --save DIR")
         if cfg.save_interval < 1:
             raise ConfigError(f"--save-interval {cfg.save_interval}: must be >= 1")
+    if cfg.exit_interval is not None and cfg.exit_interval < 1:
+        raise ConfigError(f"--exit-interval {cfg.exit_interval}: must be >= 1")
+    if cfg.exit_duration_in_mins is not None and not cfg.exit_duration_in_mins > 0:
+        raise ConfigError(f"--exit-duration-in-mins {cfg.exit_duration_in_mins}: must be "
+                          f"> 0")
     for flag, on in (("--finetune", cfg.finetune), ("--no-load-optim", cfg.no_load_optim),
                      ("--no-load-rng", cfg.no_load_rng)):
         if on and not cfg.load:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import signal
 import subprocess
 import sys
 import time
@@ -72,10 +73,17 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
     others are stopped and a summary names the first rank to fail (see `_first_failure`),
     how (exit code or signal), at what iteration, and that the others were stopped, after
     that rank's own traceback; the others' lost-connection errors are left out. An error
-    message the ranks report (bad input) is printed once, not once per rank. Ctrl-C
-    (SIGINT) stops the ranks with one line and exit code 130; the ranks themselves ignore
-    SIGINT (a terminal's Ctrl-C reaches the whole process group), the launcher stops
-    them. Returns the exit code."""
+    message the ranks report (bad input) is printed once, not once per rank.
+
+    The launcher owns its ranks. SIGINT, SIGTERM or SIGHUP to it stops them (SIGTERM,
+    then SIGKILL after 10 s) and ends the command with 128 + the signal
+    (`LauncherStopped`, a SystemExit: a command that starts ranks several times stops as a
+    whole; the CLI prints its one line last). The ranks
+    ignore SIGINT (a terminal's Ctrl-C reaches the whole process group: the launcher
+    stops them), and die with the launcher (Linux's parent-death signal: SIGKILL when it
+    dies without a word). With `--exit-signal-handler` in `argv` a SIGTERM is passed on
+    instead: the ranks finish their step, save and exit 0 (a second signal stops them).
+    Returns the exit code."""
     import shutil
     import tempfile
     port = free_port()
@@ -85,7 +93,21 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
     exited = {}             # rank -> (wall time its exit was first seen, exit code)
     rc = 0
     failed = False
-    interrupted = False
+    interrupted = None      # the signal that stopped the launcher
+    graceful = "--exit-signal-handler" in argv
+    passed_on = []          # signals passed to the ranks (--exit-signal-handler)
+
+    def on_signal(signum, frame):
+        if graceful and signum == signal.SIGTERM and not passed_on and procs:
+            passed_on.append(signum)
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            print(f"{name}: SIGTERM passed to the ranks (--exit-signal-handler: they finish "
+                  f"the step, save and exit)", file=sys.stderr, flush=True)
+            return
+        raise _Stopped(signum)
+    handlers = _set_handlers(on_signal)
     try:
         for r in range(nproc):
             env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
@@ -123,9 +145,12 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
                 rc = 124
                 break
             time.sleep(0.05)
+    except _Stopped as e:
+        interrupted = e.signum
     except KeyboardInterrupt:
-        interrupted = True
+        interrupted = signal.SIGINT
     finally:
+        _set_handlers(handlers)
         _stop(procs)
         if sink is not None and not interrupted:
             _log_crashes(sink, status)
@@ -135,18 +160,68 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
         remove_segments(port)
         try:
             if interrupted:
-                rc = 130
-                n = len(procs)
-                print(f"{name}: interrupted; stopped {n} rank{'s' if n != 1 else ''}",
-                      file=sys.stderr)
+                pass                # LauncherStopped below: the command's last line
             elif failed:
                 rank, code = _first_failure(status, exited, nproc)
                 rc = code if code not in (None, 0) else 1
                 _report_failure(name, rank, code, nproc, status)
         finally:
             shutil.rmtree(status, ignore_errors=True)
+    if interrupted:
+        raise LauncherStopped(interrupted, len(procs))
     # a rank killed by a signal: the shell convention, 128 + signal
     return 128 - rc if rc < 0 else rc
+
+
+class LauncherStopped(SystemExit):
+    """A signal stopped the launcher and its ranks: the whole command ends with 128 + the
+    signal (SystemExit), and the CLI prints `line()` as its last line."""
+
+    def __init__(self, signum: int, ranks: int):
+        super().__init__(128 + signum)
+        self.signum, self.ranks = signum, ranks
+
+    def line(self) -> str:
+        n = self.ranks
+        return (f"{signal.Signals(self.signum).name} received: stopped {n} "
+                f"rank{'s' if n != 1 else ''}")
+
+
+class _Stopped(Exception):
+    """A signal to the launcher: stop the ranks."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+def _set_handlers(handler):
+    """Install `handler` (a function, or a dict of the previous handlers) for SIGINT,
+    SIGTERM and SIGHUP; returns the previous ones. Only the main thread can."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    old = {}
+    for name in _STOP_SIGNALS:
+        sig = getattr(signal, name)
+        h = handler.get(sig) if isinstance(handler, dict) else handler
+        if h is not None:
+            old[sig] = signal.signal(sig, h)
+    return old
+
+
+def _die_with_parent() -> None:
+    """In a rank, before exec: SIGKILL when the launcher dies (Linux prctl
+    PR_SET_PDEATHSIG), so a launcher killed without a word leaves no orphan."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)        # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 _FAILURE_GRACE_S = 1.0
@@ -159,8 +234,8 @@ def _popen_ignoring_sigint(cmd, **kw) -> subprocess.Popen:
     """Start a rank with SIGINT ignored (inherited through exec; Python then installs no
     KeyboardInterrupt handler): a terminal's Ctrl-C reaches only the launcher's handling,
     which stops the ranks, instead of a traceback from every rank."""
-    import signal
     import threading
+    kw.setdefault("preexec_fn", _die_with_parent)
     if threading.current_thread() is not threading.main_thread():
         return subprocess.Popen(cmd, **kw)
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)

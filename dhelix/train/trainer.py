@@ -206,6 +206,10 @@ def train(cfg: TrainConfig) -> dict:
     if start and start >= cfg.train_iters and rank0:
         print(f"dhelix train: nothing to train: resumed at iteration {start}, "
               f"--train-iters {cfg.train_iters}", flush=True)
+    from dhelix.train.exit import ExitCheck
+    exit_check = ExitCheck(cfg, info.device)
+    exited = None           # why the run stopped before --train-iters
+    end = max(start, cfg.train_iters)
     for it in range(start, cfg.train_iters):
         report_progress(it + 1)
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -254,16 +258,24 @@ def train(cfg: TrainConfig) -> dict:
                   flush=True)
         if cfg.save and cfg.save_interval and (it + 1) % cfg.save_interval == 0:
             save(it + 1)
-    end = max(start, cfg.train_iters)
+        exited = exit_check(it + 1) if it + 1 < cfg.train_iters else None
+        if exited:
+            end = it + 1
+            break
+    exit_check.close()
     if cfg.save and saved_at != end:      # as Megatron-LM: the last iteration is saved
         save(end)
+    if exited and rank0:
+        print(f"dhelix train: {exited}: exiting after iteration {end}" +
+              (f" (resume with --load {cfg.save})" if cfg.save else " (nothing saved: no "
+               "--save)"), flush=True)
     if cfg.overlap_param_gather and saved_at != end:
         # the last step's gathers would wait for a next forward: finish them now, and
         # evaluate, checksum and save whole weights (as Megatron-LM does before both)
         for c in chunks:
             c.disable_forward_pre_hook(param_sync=True)
     eval_loss = None
-    if cfg.eval_iters:
+    if cfg.eval_iters and not exited:
         for c in chunks:
             c.eval()
         vals = []
@@ -298,6 +310,7 @@ def train(cfg: TrainConfig) -> dict:
                    "pipeline_stages": layout.pp, "virtual_chunks": layout.vpp,
                    "backend": info.backend, "schedule": schedule.name},
         "first_iteration": start + 1,    # > 1 when resumed
+        "exited": exited,                # why it stopped before --train-iters (None: it ran)
         "losses": losses,
         "learning_rates": lrs,
         "grad_norms": grad_norms,        # megatron's, before clipping
