@@ -124,7 +124,7 @@ def build_gpt(args, model_provider, gpt_builders):
                                pre_process=True, post_process=True)
 
 
-def train_real(argv, dhelix, steps=3, delay_gather=False):
+def train_real(argv, dhelix, steps=3, delay_gather=False, signal_at=None):
     """Build the model with Megatron-LM's model_provider and gpt_builder (after the
     install hook when `dhelix`), wrap it in megatron DDP, and run `steps` iterations of
     the forward-backward function Megatron-LM's train_step would get from
@@ -134,7 +134,11 @@ def train_real(argv, dhelix, steps=3, delay_gather=False):
     `grad_checksums` (per step, `checksums(model, "main_grad")` after the reduction) and
     `weight_checksums` (the final weights). With --use-distributed-optimizer the step is
     Megatron-LM's own optimizer's (instead of a fixed SGD step); `delay_gather` delays
-    every overlapped parameter all-gather until it is waited for (optim_fns.DelayedGather)."""
+    every overlapped parameter all-gather until it is waited for (optim_fns.DelayedGather).
+    `signal_at` (step, micro-batch), 1-based: the loop runs inside Megatron-LM's
+    DistributedSignalHandler (what --exit-signal-handler installs), and rank 0 sends
+    itself SIGTERM in that micro-batch's forward step, i.e. in the middle of DHelix's
+    co-step; `signals` is then each step's `signals_received()` (every rank's flag)."""
     from functools import partial
 
     args = init_megatron(argv + (["--dhelix"] if dhelix else []))
@@ -180,7 +184,14 @@ def train_real(argv, dhelix, steps=3, delay_gather=False):
 
         g = torch.Generator().manual_seed(7)
         nmb = args.global_batch_size // args.micro_batch_size
-        losses, sums, grad_sums = [], [], []
+        losses, sums, grad_sums, signals = [], [], [], []
+        handler = contextlib.nullcontext()
+        if signal_at is not None:
+            from megatron.training.dist_signal_handler import DistributedSignalHandler
+            handler = DistributedSignalHandler()
+        stack = contextlib.ExitStack()
+        watcher = stack.enter_context(handler)
+        counter = {"mb": 0}
         for it in range(steps):
             batches = []
             for _ in range(nmb):
@@ -197,12 +208,18 @@ def train_real(argv, dhelix, steps=3, delay_gather=False):
 
             def forward_step(data_iterator, model):
                 b = next(data_iterator)
+                counter["mb"] += 1
+                if (signal_at is not None and torch.distributed.get_rank() == 0 and
+                        (it + 1, counter["mb"]) == tuple(signal_at)):
+                    import signal as _signal
+                    os.kill(os.getpid(), _signal.SIGTERM)
                 out = model(b["tokens"], b["position_ids"], None, labels=b["labels"],
                             loss_mask=b["loss_mask"])
                 return out, partial(pretrain_gpt.loss_func, b["loss_mask"], model=model)
 
             # as Megatron-LM's train_step calls it: inside the rerun state machine's loop
             rerun = get_rerun_state_machine()
+            counter["mb"] = 0
             while rerun.should_run_forward_backward(it_data):
                 model.zero_grad_buffer()
                 opt.zero_grad()
@@ -215,6 +232,8 @@ def train_real(argv, dhelix, steps=3, delay_gather=False):
                            else float(o["lm loss"]) for o in out])
             sums.append([[float(x) for x in o["lm loss"]] for o in out])
             grad_sums.append(checksums(model, "main_grad"))
+            if signal_at is not None:       # as Megatron-LM's train loop asks, each step
+                signals.append([bool(x) for x in watcher.signals_received()])
             if args.use_distributed_optimizer:
                 with cuda_type_names():
                     assert opt.step()[0]
@@ -224,6 +243,7 @@ def train_real(argv, dhelix, steps=3, delay_gather=False):
                 for p in model.parameters():
                     p.add_(p.main_grad, alpha=-1e-2)
         weight_sums = checksums(model, "data")
+        stack.close()
     finally:
         uninstall()
     del opt
@@ -231,4 +251,5 @@ def train_real(argv, dhelix, steps=3, delay_gather=False):
             "losses": losses, "loss_sums": sums, "grad_checksums": grad_sums,
             "weight_checksums": weight_sums,
             "params": len(list(model.parameters())), "core_attention": cores,
-            "state_keys": state_keys, "delayed_gathers": getattr(delayed, "delayed", 0)}
+            "state_keys": state_keys, "delayed_gathers": getattr(delayed, "delayed", 0),
+            "signals": signals}

@@ -145,3 +145,19 @@ def test_real_megatron_lm_distributed_optimizer_with_a_delayed_gather():
     assert dh[0]["layers"] == ["DHelixLayer"] * 2
     assert all(r["delayed_gathers"] >= 3 for r in dh)     # one or more a step, delayed
     _same_real_runs(dh, base)
+
+
+def test_sigterm_mid_co_step_with_megatron_lms_signal_handler():
+    """Megatron-LM's --exit-signal-handler (its DistributedSignalHandler around the train
+    loop) with DHelix's schedule: SIGTERM to rank 0 in the forward step of step 2's third
+    micro-batch, in the middle of DHelix's co-steps. The step completes: every loss,
+    gradient checksum and final weight equals a run without the signal, bit for bit; the
+    handler reports the signal from step 2 on (rank 0's flag, as every rank sees it), so
+    Megatron-LM's loop would save and exit after step 2."""
+    argv = fns.SMALL + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    plain = run_ranks(fns.train_real, 2, argv, True, timeout=400)
+    hit = run_ranks(fns.train_real, 2, argv, True, signal_at=(2, 3), timeout=400)
+    _same_real_runs(hit, plain)
+    for r in hit:
+        assert r["schedule"] == "forward_backward_dhelix"
+        assert r["signals"] == [[False, False], [True, False], [True, False]], r["signals"]
