@@ -129,9 +129,15 @@ def test_cuda_clock_restarts_at_reset(fake_cuda):
 
 
 def test_cuda_clock_needs_timed_lane_events(fake_cuda):
-    S = StrandState(FakeCudaLanes(timing=False), "α")
+    """The CUDA clock reads the lanes' comm events, which CudaLanes create without timing
+    unless traced: a tracer that picks the clock from the lanes turns their timing on
+    first (the trace reads); one given a CUDA clock over untimed lanes fails, saying why."""
+    lanes = FakeCudaLanes(timing=False)
     tracer = Tracer()
-    execute_step((S, _chain()), None, tracer)
+    execute_step((StrandState(lanes, "α"), _chain()), None, tracer)
+    assert lanes.timing is True and len(tracer.events) == 3
+    tracer = Tracer(clock=CudaClock())
+    execute_step((StrandState(FakeCudaLanes(timing=False), "α"), _chain()), None, tracer)
     with pytest.raises(RuntimeError, match="enable_timing=True"):
         tracer.events
 
