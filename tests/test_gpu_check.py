@@ -444,20 +444,20 @@ def test_rng_state_of_the_other_device_is_not_restored(monkeypatch):
     and says so in the `resumed from` line; a save without the record is told by its CUDA
     generator state's size. The GPU side is a stub: uses_cuda made to answer True."""
     import torch
-    from dhelix.train import checkpoint as ck
+    from dhelix.train import checkpoint as ck, rng_state
     cpu_state = {"cuda_rng_state": torch.get_rng_state(), "rng_device": "cpu"}
     legacy_cpu = {"cuda_rng_state": torch.get_rng_state()}
     legacy_gpu = {"cuda_rng_state": torch.zeros(16, dtype=torch.uint8)}
-    assert [ck.rng_device(s) for s in (cpu_state, legacy_cpu, legacy_gpu)] == \
+    assert [rng_state.device(s) for s in (cpu_state, legacy_cpu, legacy_gpu)] == \
         ["cpu", "cpu", "cuda"]
-    assert ck.rng_restorable(cpu_state) is None and ck.rng_restorable(legacy_cpu) is None
-    assert ck.rng_restorable(legacy_gpu).startswith("RNG state, saved on CUDA; this run "
+    assert rng_state.restorable(cpu_state) is None and rng_state.restorable(legacy_cpu) is None
+    assert rng_state.restorable(legacy_gpu).startswith("RNG state, saved on CUDA; this run "
                                                     "is on cpu")
-    monkeypatch.setattr(ck, "uses_cuda", lambda: True)
-    assert "saved on cpu; this run is on CUDA" in ck.rng_restorable(cpu_state)
-    assert ck.rng_restorable(legacy_gpu) is None
+    monkeypatch.setattr(rng_state, "uses_cuda", lambda: True)
+    assert "saved on cpu; this run is on CUDA" in rng_state.restorable(cpu_state)
+    assert rng_state.restorable(legacy_gpu) is None
     r = ck.Resumed("ck/iter_0000002", 2, restored=["optimizer state"],
-                   skipped=[ck.rng_restorable(cpu_state)])
+                   skipped=[rng_state.restorable(cpu_state)])
     assert r.line().startswith("resumed from ck/iter_0000002: iteration 2, optimizer "
                                "state (not restored: RNG state, saved on cpu")
 

@@ -20,18 +20,16 @@ killed while saving leaves the previous save loadable.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from types import SimpleNamespace as Namespace    # what Megatron-LM saves as `args`
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional
+from typing import List
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from dhelix.base.hardware import uses_cuda
 from dhelix.compat import mcore
+from dhelix.train import rng_state
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0                   # Megatron-LM's current one
@@ -163,61 +161,6 @@ def _load_model(chunks, loaded: dict, path: str) -> None:
                                       f"config that saved")
 
 
-def _rng_state(layout):
-    """This rank's RNG states as Megatron-LM shards them: one object per (PP, TP) stage,
-    the DP ranks its replicas; with EP > 1 one per rank (experts draw from per-EP-rank
-    streams)."""
-    from megatron.core import parallel_state as ps, tensor_parallel
-    from megatron.core.dist_checkpointing import ShardedObject
-    cuda = uses_cuda()
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(),
-             # no CUDA generator on a CPU rank: its CPU one stands in
-             "cuda_rng_state": torch.cuda.get_rng_state() if cuda else torch.get_rng_state(),
-             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
-             # the device whose generators these are (Megatron-LM ignores the key)
-             "rng_device": "cuda" if cuda else "cpu"}
-    pp, tp = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
-    pps, tps = (ps.get_pipeline_model_parallel_world_size(),
-                ps.get_tensor_model_parallel_world_size())
-    dp = ps.get_data_parallel_rank(with_context_parallel=True)
-    if layout.ep > 1:
-        return ShardedObject("rng_state", [state], (pps, tps, layout.dp * layout.cp),
-                             (pp, tp, dp), replica_id=0)
-    return ShardedObject("rng_state", [state], (pps, tps), (pp, tp), replica_id=dp)
-
-
-def rng_device(state: dict) -> str:
-    """The device type whose generators a saved RNG state holds: its `rng_device`; a save
-    without it (older, or Megatron-LM's own) by its CUDA generator state's size (CUDA's
-    Philox state is 16 bytes, the CPU Mersenne twister's 5056)."""
-    if "rng_device" in state:
-        return state["rng_device"]
-    return "cuda" if state["cuda_rng_state"].numel() < 64 else "cpu"
-
-
-def rng_restorable(state: dict) -> Optional[str]:
-    """None if this process can restore `state`, else why not: generator states of one
-    device type do not load into the other's (torch.cuda.set_rng_state would fail after
-    the model and optimizer had loaded)."""
-    saved, mine = rng_device(state), "cuda" if uses_cuda() else "cpu"
-    if saved != mine:
-        return (f"RNG state, saved on {saved.upper() if saved == 'cuda' else saved}; this "
-                f"run is on {mine.upper() if mine == 'cuda' else mine}, whose generators "
-                f"start from --seed")
-    return None
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if uses_cuda():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
-
-
 def run_args(cfg, m, layout, iteration: int, consumed: int,
              no_save_optim: bool = False) -> Namespace:
     """The run's flags under Megatron-LM's names (what its `load_checkpoint` reads from a
@@ -291,7 +234,7 @@ renames it `iter_N` and names it in the tracker."""
         state["optimizer"] = optimizer.optimizer.sharded_state_dict(
             state, is_loading=False, metadata=meta)
     state["opt_param_scheduler"] = optimizer.scheduler.state_dict()
-    state["rng_state"] = _rng_state(layout)
+    state["rng_state"] = rng_state.sharded(layout)
     state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
                  args=run_args(cfg, m, layout, iteration, consumed,
                                no_save_optim=not stepped),
@@ -407,7 +350,7 @@ def load(chunks, optimizer, cfg, m, layout, finetune: bool = False,
         state["optimizer"] = optimizer.optimizer.sharded_state_dict(
             state, is_loading=True, metadata=meta)
     if load_rng:
-        state["rng_state"] = _rng_state(layout)
+        state["rng_state"] = rng_state.sharded(layout)
     try:
         loaded = mcore.load_checkpoint(state, path)
     except Exception as e:
@@ -429,11 +372,11 @@ def load(chunks, optimizer, cfg, m, layout, finetune: bool = False,
     if load_rng:
         rng = loaded["rng_state"]
         rng = rng[0] if isinstance(rng, list) else rng
-        why_not = rng_restorable(rng)
+        why_not = rng_state.restorable(rng)
         if why_not:
             r.skipped.append(why_not)
         else:
-            _set_rng_state(rng)
+            rng_state.restore(rng)
             r.restored.append("RNG state")
     if r.consumed_samples:
         r.restored.append("data position")
