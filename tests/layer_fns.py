@@ -300,3 +300,30 @@ def kept_after_forward(config="tiny", keep_gathered=False, seq=16, mbs=2, seed=5
     return {"measured": METER.current - start,
             "estimated": sum(o.saved_bytes for o in ops.forward),
             "full": seq * mbs * cfg.hidden_size * x.element_size()}
+
+
+def engine_calls(config="tiny", dropout=0.0, seq=16, mbs=2, seed=5):
+    """How many times one layer's backward (β's, paired with α's forward) calls autograd's
+    engine, with the layers' hidden dropout set to `dropout`; the grads are checked against
+    megatron's where nothing is dropped (with dropout the two orders draw other masks)."""
+    from compare import same_tensors
+    from dhelix.planner.plan import paired_plan
+    import dhelix.strand.backward_ops as bops
+
+    ref, dh, cfg, rope = setup_layer(config, 2, True, seed, seq, mbs)
+    for layer in (ref, dh):
+        layer.hidden_dropout = dropout
+    x_a, x_b, g_b = (inputs(cfg, seq, mbs, seed + i, True) for i in (1, 2, 3))
+    calls = []
+    real = bops.local_grad
+    bops.local_grad = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        out, gx, grads = dhelix_step(dh, paired_plan(dh.program.layer_ops(seq, mbs)),
+                                     x_a, x_b, g_b, rope, seq, mbs)
+    finally:
+        bops.local_grad = real
+    if dropout == 0:
+        r_out, r_gx, r_grads = reference(ref, x_a, x_b, g_b, rope)
+        same_tensors({"output": out, "input grad": gx, **grads},
+                     {"output": r_out, "input grad": r_gx, **r_grads}, 0.0, "vs megatron:")
+    return len(calls)

@@ -240,3 +240,14 @@ def test_local_grad_is_autograds_grad():
     assert METER.current == before + t.numel() * 4
     tokens.pop()
     assert METER.current == before
+
+
+def test_bias_dropout_add_backward_skips_the_engine():
+    """Without dropout a bias-dropout-add's backward is written out (the identity and the
+    bias's token sum), not run through autograd's engine, whose every call is a hand-off
+    to the device thread on a GPU: one layer's backward makes 4 engine calls (the two
+    norms, the attention core, the activation) instead of 6, bit for bit with megatron
+    (biases included); with dropout both bias-dropout-adds still go through the engine."""
+    plain = run_ranks(layer_fns.engine_calls, 2, timeout=120, config="tiny", dropout=0.0)
+    dropped = run_ranks(layer_fns.engine_calls, 2, timeout=120, config="tiny", dropout=0.1)
+    assert plain == [4, 4] and dropped == [6, 6]

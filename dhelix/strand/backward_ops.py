@@ -3,6 +3,11 @@ planner's chain; DESIGN §1.1): each differentiates a forward op's local graph (
 is one of a linear's two GEMMs, the dgrad and the deferrable wgrad, as megatron's
 `LinearWithGradAccumulationAndAsyncCommunication` computes them.
 
+Each `_grad` is one call into autograd's engine, which on a GPU hands the work to its
+device thread and waits. A bias-dropout-add without dropout (`_bda_grad`) is added
+values only: its gradient is the incoming one, passed to both inputs, and the bias's is
+its sum over the tokens (autograd's `sum_to`), so it is written here without the engine.
+
 A chunked MLP's (`--dhelix-mlp-chunks`) tensors are put back in megatron's row order
 (`_join`) where a sum runs over the tokens, so that sum is megatron's too.
 """
@@ -52,8 +57,23 @@ class BackwardOps:
         S.drop(key_graph)
         return grads[:len(ins)]
 
+    def _bda_grad(self, S, key_graph, g, bias):
+        """The bias-dropout-add's backward: the identity when nothing is dropped and no
+        dtype changes (what autograd's add and p=0 dropout give, bit for bit), else its
+        local graph through the engine."""
+        x, r, y = S.get(key_graph)
+        plain = ((self.layer.hidden_dropout == 0 or not self.layer.training)
+                 and x.dtype == r.dtype == y.dtype == g.dtype and x.shape == r.shape == g.shape
+                 and (bias is None or bias.dtype == g.dtype))
+        if not plain:
+            return self._grad(S, key_graph, g, [bias])
+        if bias is not None:
+            S.acc_grad(bias, g.sum_to_size(bias.shape))
+        S.drop(key_graph)
+        return g, g
+
     def _bda_mlp_b(self, S):
-        gx, gr = self._grad(S, "g:bda2", S.get("g_out"), [self.b_fc2])
+        gx, gr = self._bda_grad(S, "g:bda2", S.get("g_out"), self.b_fc2)
         S.put("g_mlp_out", gx)
         S.put("g_h1_res", gr)
         S.drop("g_out")
@@ -103,7 +123,7 @@ class BackwardOps:
         S.drop("g_ln2", "g_ln2_full", "g_h1_res")
 
     def _bda_attn_b(self, S):
-        gx, gr = self._grad(S, "g:bda1", S.get("g_h1"), [self.b_proj])
+        gx, gr = self._bda_grad(S, "g:bda1", S.get("g_h1"), self.b_proj)
         S.put("g_attn_out", gx)
         S.put("g_x_res", gr)
         S.drop("g_h1")
