@@ -167,7 +167,7 @@ def test_expert_gemms_are_named_by_shape_with_their_rows_share():
 @pytest.mark.parametrize("compute,emulate,msg", [
     ("paced:a40,x=0.5", "llama-8b", "x=0.5 would ask the small ops to run faster"),
     ("paced:a40", "", "needs --emulate MODEL"),
-    ("paced:a40", "llama-8b,seq=abc", "use seq=S and mbs=B"),
+    ("paced:a40", "llama-8b,seq=abc", "use seq=S, mbs=B and dp=D"),
     ("fast", "llama-8b", "use paced:CLUSTER[,x=FACTOR]"),
 ])
 def test_bad_flags_are_one_message(compute, emulate, msg):
@@ -285,3 +285,64 @@ def test_bench_at_emulated_time(tmp_path):
     md = (out.parent / "b.md").read_text()
     assert "| tiny-llama-emu | dhelix-fold |" in md and "simulator ms" in md
     assert (out.parent / "b.png").stat().st_size > 1000
+
+
+# ---- dhelix published: the published rows at emulated time --------------------------------
+def test_published_rows_fit_and_price_the_published_dp():
+    """Every published row runs with DP cut to ≤ 32 ranks (the A800 32k row, 64 ranks at
+    DP 1, does not fit and says so); `--emulate ...,dp=D` prices the DP reduction of the
+    cut run as a group of the published D, on the link the run's group spans."""
+    from types import SimpleNamespace
+    from dhelix.bench import emulated
+    from dhelix.bench.published import ROWS, TableError, run_dp, select
+    from dhelix.models.config import load_model_config
+    from dhelix.train.emulate import _cluster, parse
+    fits = {r.key: run_dp(r, 32) for r in ROWS}
+    assert fits["llama-8b"] == 8 and fits["gpt-18b"] == 4 and fits["llama-39b"] == 2
+    assert fits["phi-3.5-moe"] == 8 and fits["llama-66b-32k"] is None
+    for r in ROWS:
+        d = fits[r.key]
+        assert d is None or (r.dp % d == 0 and r.tp * r.cp * r.pp * d <= 32)
+    with pytest.raises(TableError, match="unknown row"):
+        select("llama-8b,nope")
+    assert parse("paced:a40", "llama-8b,dp=16").data_parallel_size == 16
+    c = _cluster("a40")
+    small, big = load_model_config("tiny-llama-emu"), load_model_config("llama-8b")
+
+    def reduce_s(emulate, dist_opt=False):
+        a = SimpleNamespace(nproc=16, tensor_model_parallel_size=4, context_parallel_size=1,
+                            pipeline_model_parallel_size=1, expert_model_parallel_size=1,
+                            compute="paced:a40", emulate=emulate,
+                            distributed_optimizer=dist_opt)
+        return emulated.dp_reduce_seconds(a, small, big, c, [32], [(True, True)])[0]
+    run, published = reduce_s("llama-8b"), reduce_s("llama-8b,dp=16")
+    # the ring's 2(n-1)/n: 16 ranks move 1.875/1.5 of 4 ranks' bytes per rank (+ latency)
+    assert published / run == pytest.approx(1.875 / 1.5, rel=0.02)
+    assert reduce_s("llama-8b,dp=16", True) == pytest.approx(published / 2, rel=0.02)
+
+
+@pytest.mark.timeout(600)
+def test_published_row_end_to_end(tmp_path):
+    """`dhelix published` runs one row end to end at a tiny factor (the table's machinery,
+    not its numbers): gpt-6.7b's DP16 × TP4 cut to 8 ranks (DP 2), 2 layers, megatron and
+    DHelix's plan both with the distributed optimizer and overlapped reduce and gather,
+    the reduction priced at DP 16; the losses equal megatron's, the table written."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "pub"
+    r = subprocess.run([sys.executable, "-m", "dhelix.cli", "published", "--rows", "gpt-6.7b",
+                        "--max-ranks", "8", "--num-layers", "2", "--factor", "1",
+                        "--microbatches", "2", "--out", str(out)],
+                       capture_output=True, text=True, timeout=550)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads((out / "table.json").read_text())["rows"]
+    assert (row["ranks"], row["run_dp"], row["layers"], row["global_batch"]) == (8, 2, 2, 32)
+    assert row["losses_equal"] and row["final_loss"][0] == row["final_loss"][1]
+    assert (row["megatron_method"], row["dhelix_method"]) == ("megatron", "dhelix-plan")
+    assert row["speedup"] > 0 and row["exposed_reduce_ms"] > 0
+    bench = json.loads((out / "rows" / "gpt-6.7b.json").read_text())
+    assert bench["args"]["distributed_optimizer"] is True
+    assert bench["args"]["emulate"] == "gpt-6.7b,seq=4096,mbs=1,dp=16"
+    assert "| gpt-6.7b (a40) | DP16 × TP4 (4096) | 8, DP2, 2 |" in (out / "table.md").read_text()
+    assert (out / "table.png").stat().st_size > 1000

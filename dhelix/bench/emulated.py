@@ -48,13 +48,16 @@ def _lane(ranks, nodes) -> str:
     return "intra" if len({nodes[r] for r in ranks}) == 1 else "inter"
 
 
-def _reduce_s(nbytes: float, ranks: List[int], nodes, cluster) -> float:
+def _reduce_s(nbytes: float, ranks: List[int], nodes, cluster, grow: float = 1.0,
+              kind: str = "all_reduce") -> float:
+    """One gradient reduction over `ranks`, priced as a group `grow` times their number
+    (the emulated DP size over the run's, as the paced link prices it)."""
     from dhelix.planner.costmodel import collective_seconds
     if len(ranks) < 2 or not nbytes:
         return 0.0
     ln = cluster[f"{_lane(ranks, nodes)}_node"]
     bw = float(ln["bandwidth_GBps"]) * 1e9 * float(ln.get("efficiency", 1.0))
-    return collective_seconds("all_reduce", nbytes, len(ranks), bw,
+    return collective_seconds(kind, nbytes, max(1, round(len(ranks) * grow)), bw,
                               float(ln.get("latency_us", 0.0)) * 1e-6)
 
 
@@ -63,7 +66,13 @@ def dp_reduce_seconds(a, small, big, cluster, stage_layers: List[int],
     """Per pipeline stage: its DP (and expert-DP) gradient all-reduce, seconds. `holds`:
     per stage, (has the embedding, has the output layer)."""
     from dhelix.models.params import stage_grad_bytes
+    from dhelix.train.emulate import parse
     tp, cp, pp, dp = _sizes(a)
+    emu = parse(getattr(a, "compute", "none"), getattr(a, "emulate", ""))
+    grow = ((emu and emu.data_parallel_size) or dp) / dp
+    # the distributed optimizer reduce-scatters the gradients (its all-gather of the
+    # weights overlaps the next step's forward)
+    kind = "reduce_scatter" if getattr(a, "distributed_optimizer", False) else "all_reduce"
     ep = a.expert_model_parallel_size
     nodes = node_ids(a, cluster)
     per_stage = tp * cp * dp
@@ -75,8 +84,8 @@ def dp_reduce_seconds(a, small, big, cluster, stage_layers: List[int],
         # (expert TP 1: ep-dp over the stage's ranks) steps over the EP ranks
         dp_ranks = [base + k * tp for k in range(cp * dp)]
         edp_ranks = [base + k * ep for k in range(per_stage // ep)] if ep > 1 else []
-        out.append(_reduce_s(nb["dp"], dp_ranks, nodes, cluster) +
-                   _reduce_s(nb["edp"], edp_ranks, nodes, cluster))
+        out.append(_reduce_s(nb["dp"], dp_ranks, nodes, cluster, grow, kind) +
+                   _reduce_s(nb["edp"], edp_ranks, nodes, cluster, grow, kind))
     return out
 
 
@@ -126,6 +135,11 @@ def predictions(a, cfg: str, emu) -> Dict[str, dict]:
     return out
 
 
+def _peak(r: dict) -> int:
+    """A run's peak activation bytes (its largest stage's with PP)."""
+    return max(r.get("peak_memory_bytes_per_stage") or [r.get("peak_memory_bytes", 0)])
+
+
 def rows(a, cfg: str, link: str, res: dict, methods, pred: Dict[str, dict]) -> List[dict]:
     base = res[methods[0]]["emulation"]["step_s"]
     out = []
@@ -144,6 +158,8 @@ def rows(a, cfg: str, link: str, res: dict, methods, pred: Dict[str, dict]) -> L
             "own_share": e["own_share"], "overslept_share": e.get("overslept_share", 0.0),
             "ranks_step_s": step_time(res[m]),
             "final_loss": res[m]["losses"][-1],
+            "peak_activation_bytes": _peak(res[m]),
+            "memory_vs_baseline": _peak(res[m]) / max(1, _peak(res[methods[0]])),
         })
     return out
 

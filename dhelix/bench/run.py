@@ -71,6 +71,10 @@ class BenchOptions:
     #                                            (True: both parts, or "attn" / "mlp")
     compute: str = "none"                     # paced:CLUSTER[,x=F]: emulated time
     emulate: str = ""                         # the emulated shape (with compute)
+    methods: str = ""                         # comma-separated: run only these methods
+    distributed_optimizer: bool = False       # every method as megatron's users run DP:
+    #                                            distributed optimizer, overlapped grad
+    #                                            reduce and param gather
     out: str = "bench"                        # prefix for .md, .json and .png
 
 
@@ -166,7 +170,10 @@ def _argv(a, cfg, out_json, method, cluster, trace):
     elif method == CHUNKS:
         argv += ["--dhelix", "--dhelix-overlap-table", cluster,
                  "--dhelix-mlp-chunks", str(a.dhelix_mlp_chunks)]
-    if dp > 1 and a.expert_model_parallel_size == 1 and cp == 1:
+    if dp > 1 and a.distributed_optimizer:
+        argv += ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                 "--overlap-param-gather"]
+    elif dp > 1 and a.expert_model_parallel_size == 1 and cp == 1:
         # dense DP: megatron's bucketed grad reduce overlapped, in every method
         argv += ["--overlap-grad-reduce"]
     if a.expert_model_parallel_size > 1:
@@ -296,6 +303,15 @@ def run_bench(a: BenchOptions) -> int:
                   f"table (PP, CP and EP 1, --planner-source table)", file=sys.stderr)
             return 2
     methods = methods + (CHUNKS,) * chunked + (KEEP,) * bool(a.dhelix_keep_gathered)
+    if a.methods:
+        keep = [m.strip() for m in a.methods.split(",") if m.strip()]
+        unknown = [m for m in keep if m not in methods]
+        if unknown or methods[0] not in keep:
+            print(f"dhelix bench: error: --methods {a.methods}: this layout's methods are "
+                  f"{', '.join(methods)}, and the first ({methods[0]}, the baseline the "
+                  f"others are checked against) must be among them", file=sys.stderr)
+            return 2
+        methods = tuple(m for m in methods if m in keep)
     per = len(methods) * a.rounds + profile + chunked
     planned = None
     wrong: List[str] = []          # DHelix runs that did not train as the baseline did

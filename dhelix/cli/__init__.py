@@ -20,9 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     # one module per command, in the order `dhelix --help` lists them; each has
     # add_parser(sub), which sets func=run, and run(args) -> int
     from dhelix.cli import (advise, bench, demo, helix_bench, layouts, make_corpus, plan,
-                            plan_sweep, profile, simulate, train, validate_model)
+                            plan_sweep, profile, published, simulate, train, validate_model)
     commands = (train, demo, make_corpus, profile, validate_model, plan, simulate, plan_sweep,
-                advise, bench, layouts, helix_bench)
+                advise, bench, layouts, published, helix_bench)
     p = argparse.ArgumentParser(prog="dhelix", description=__doc__)
     p.add_argument("--version", action="version", version=f"dhelix {version()}",
                    help="print the version and exit")

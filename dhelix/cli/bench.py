@@ -72,6 +72,12 @@ def add_parser(sub) -> None:
     p.add_argument("--emulate", default=D.emulate, metavar="MODEL[,seq=S][,mbs=B]",
                    help="with --compute: the emulated model shape (the small model that "
                         "runs: --configs, default tiny-llama-emu / tiny-moe-emu)")
+    p.add_argument("--methods", default=D.methods, metavar="M[,M...]",
+                   help="run only these of the layout's methods (the first, the baseline, "
+                        "among them; e.g. megatron,dhelix-plan)")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="every method with megatron's distributed optimizer, "
+                        "--overlap-grad-reduce and --overlap-param-gather (with DP > 1)")
     p.add_argument("--out", default=D.out, help="prefix for .md, .json and .png "
                                                   "(default: %(default)s)")
     p.set_defaults(func=run)

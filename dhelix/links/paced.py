@@ -172,6 +172,7 @@ class PacedLink:
         # and the emulated cluster's links ("intra_node"/"inter_node" -> (bytes/s, s))
         self.byte_scale: Dict[int, float] = {}
         self.lanes: Optional[Dict[str, Tuple[float, float]]] = None
+        self.group_size: Dict[int, int] = {}    # a group priced as this many ranks
 
     def link_of(self, pg) -> Optional[str]:
         """The link a group's collectives queue on; None for the default group."""
@@ -202,7 +203,7 @@ class PacedLink:
         if self.lanes is not None:
             rate, lat = self.lanes["inter_node" if key.startswith("inter") else "intra_node"]
         dur = collective_seconds(collective, float(nbytes) * self.byte_scale.get(id(pg), 1.0),
-                                 pg.size(), rate, lat)
+                                 self.group_size.get(id(pg), pg.size()), rate, lat)
         with self.lock:
             now = time.perf_counter()
             start = max(now, self.free_at.get(key, 0.0))

@@ -54,10 +54,14 @@ class Emulation:
     model: str = ""               # the emulated model config (name or YAML)
     seq_length: Optional[int] = None
     micro_batch_size: Optional[int] = None
+    # the data-parallel size the gradient reduction is priced at (None: the run's own):
+    # a run with DP cut to fit this machine still reduces as the published DP would
+    data_parallel_size: Optional[int] = None
 
 
 def parse(compute: str, emulate: str) -> Optional[Emulation]:
-    """`paced:a40,x=4` and `llama-8b,seq=4096,mbs=1` -> an Emulation (None: not paced)."""
+    """`paced:a40,x=4` and `llama-8b,seq=4096,mbs=1[,dp=16]` -> an Emulation (None: not
+    paced)."""
     compute = (compute or "none").strip()
     if compute == "none":
         return None
@@ -71,16 +75,18 @@ def parse(compute: str, emulate: str) -> Optional[Emulation]:
                              f"to run faster than the cluster; give x >= 1")
     parts = [p.strip() for p in (emulate or "").split(",") if p.strip()]
     if not parts or "=" in parts[0]:
-        raise EmulationError("--compute paced:... needs --emulate MODEL[,seq=S][,mbs=B]: "
+        raise EmulationError("--compute paced:... needs --emulate MODEL[,seq=S][,mbs=B][,dp=D]: "
                              "the model shape whose time the ranks keep (e.g. llama-8b)")
     opts = {}
     for p in parts[1:]:
         k, _, v = p.partition("=")
-        if k not in ("seq", "mbs") or not v.isdigit() or int(v) < 1:
-            raise EmulationError(f"--emulate {emulate!r}: {p!r}: use seq=S and mbs=B, "
+        if k not in ("seq", "mbs", "dp") or not v.isdigit() or int(v) < 1:
+            raise EmulationError(f"--emulate {emulate!r}: {p!r}: use seq=S, mbs=B and dp=D "
+                                 f"(the DP size the gradient reduction is priced at), "
                                  f"positive integers")
         opts[k] = int(v)
-    return Emulation(m.group(1), factor, parts[0], opts.get("seq"), opts.get("mbs"))
+    return Emulation(m.group(1), factor, parts[0], opts.get("seq"), opts.get("mbs"),
+                     opts.get("dp"))
 
 
 def _cluster(name: str) -> dict:
@@ -391,6 +397,14 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
     for g, r in (grads or {"dp": _layer_params(big) / _layer_params(small)}).items():
         ratio.setdefault(g, r)                      # gradients
     link.byte_scale = {id(g): ratio.get(k, act) for k, g in groups.items() if g is not None}
+    link.group_size = {}
+    dp_group = groups.get("dp")
+    if emu.data_parallel_size and dp_group is not None:
+        # DP cut to fit: the DP and expert-DP reductions priced at the emulated DP's size
+        # (the ring's (n-1)/n and its steps' latencies), on the link the run's group spans
+        grow = emu.data_parallel_size / (dp_group.size() // cp)
+        link.group_size = {id(g): max(1, round(g.size() * grow))
+                           for k, g in groups.items() if k in ("dp", "edp") and g is not None}
     link.lanes = {k: (float(cluster[k]["bandwidth_GBps"]) * 1e9 *
                       float(cluster[k].get("efficiency", 1.0)) / f,
                       float(cluster[k].get("latency_us", 0.0)) * 1e-6 * f)

@@ -1,0 +1,43 @@
+"""`dhelix published`: the published evaluation's table at emulated time
+(dhelix/bench/published.py)."""
+from __future__ import annotations
+
+import sys
+
+from dhelix.bench.published import ROWS, TableOptions
+from dhelix.cli.common import options
+
+D = TableOptions          # the defaults
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("published", help="the published evaluation's rows (arXiv "
+                                         "2411.15871) at an emulated cluster's time: "
+                                         "megatron at its best vs DHelix")
+    p.add_argument("--rows", default=D.rows, metavar="ROW[,ROW...]",
+                   help="rows to run (default: all): " + ", ".join(r.key for r in ROWS))
+    p.add_argument("--factor", type=float, default=D.factor, metavar="X",
+                   help="the ranks run X times slower than the cluster (paced:CLUSTER,x=X; "
+                        "default: %(default)s)")
+    p.add_argument("--max-ranks", type=int, default=D.max_ranks,
+                   help="DP is cut so that a row runs on at most this many ranks, its DP "
+                        "reduction still priced at the published DP (default: %(default)s; "
+                        "a rank costs about 340 MiB here)")
+    p.add_argument("--train-iters", type=int, default=D.train_iters,
+                   help="steps per run, the first not timed (default: %(default)s)")
+    p.add_argument("--microbatches", type=int, default=D.microbatches,
+                   help="micro-batches per DP rank, mbs 1 (default: %(default)s)")
+    p.add_argument("--num-layers", type=int, default=D.num_layers,
+                   help="> 0: this many layers instead of each model's own (quick checks)")
+    p.add_argument("--out", default=D.out, help="output directory: table.md, table.json, "
+                                                "table.png, rows/ (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(a) -> int:
+    from dhelix.bench.published import TableError, run_table
+    try:
+        return run_table(options(TableOptions, a))
+    except TableError as e:
+        print(f"dhelix published: error: {e}", file=sys.stderr)
+        return 2
