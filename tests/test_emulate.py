@@ -346,3 +346,25 @@ def test_published_row_end_to_end(tmp_path):
     assert bench["args"]["emulate"] == "gpt-6.7b,seq=4096,mbs=1,dp=16"
     assert "| gpt-6.7b (a40) | DP16 × TP4 (4096) | 8, DP2, 2 |" in (out / "table.md").read_text()
     assert (out / "table.png").stat().st_size > 1000
+
+
+def test_paced_link_prices_a_group_at_its_emulated_size():
+    """The paced link's `group_size` (set by `--emulate ...,dp=D`) prices a group's
+    collective as that many ranks: a 4-rank all-reduce priced as 16 takes the ring's
+    2·15/16 of the bytes instead of 2·3/4, plus 15 latencies instead of 3."""
+    import time as _time
+    from dhelix.links.paced import PacedLink
+    from dhelix.planner.costmodel import collective_seconds
+
+    class Group:
+        def size(self):
+            return 4
+    for size in (None, 16):
+        link, g = PacedLink(1e9, 1e-5), Group()
+        link._keys[id(g)] = "inter:0-1"          # the nodes it spans (no process group here)
+        if size:
+            link.group_size = {id(g): size}
+        t = _time.perf_counter()
+        done = link.schedule(g, "all_reduce", 8_000_000)
+        want = collective_seconds("all_reduce", 8e6, size or 4, 1e9, 1e-5)
+        assert done - t == pytest.approx(want, rel=0.01, abs=2e-4)
