@@ -47,7 +47,7 @@ ARGPARSE_OK = {
 }
 
 COMMANDS = ["train", "demo", "make-corpus", "profile", "validate-model", "plan", "simulate",
-            "plan-sweep", "advise", "bench", "layouts", "helix-bench"]
+            "plan-sweep", "advise", "bench", "layouts", "published", "helix-bench"]
 
 
 def _modules():
