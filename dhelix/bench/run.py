@@ -143,6 +143,12 @@ def _split_links(text: str) -> List[str]:
     return out
 
 
+def _name(cfg: str) -> str:
+    """A config's name for the run's files: a YAML path given as --configs by its stem."""
+    return os.path.splitext(os.path.basename(cfg))[0] if cfg.endswith((".yaml", ".yml")) \
+        else cfg
+
+
 def _argv(a, cfg, out_json, method, cluster, trace):
     pp, cp = a.pipeline_model_parallel_size, a.context_parallel_size
     dp = a.nproc // (a.tensor_model_parallel_size * pp * cp)
@@ -187,7 +193,7 @@ def _argv(a, cfg, out_json, method, cluster, trace):
         # every schedule starts from one PP=1 checkpoint: megatron would initialise each
         # layout's stages from different seeds
         argv += ["--pipeline-model-parallel-size", str(pp), "--load",
-                 os.path.join(os.path.dirname(out_json), f"init-{cfg}")]
+                 os.path.join(os.path.dirname(out_json), f"init-{_name(cfg)}")]
         if method == "dhelix-fold":
             argv += ["--dhelix-fold"]
         elif method == "megatron-interleaved":
@@ -322,11 +328,11 @@ def run_bench(a: BenchOptions) -> int:
             with launch(lk) as (prefix, env):
                 for cfg in configs:
                     if a.pipeline_model_parallel_size > 1 and \
-                            not os.path.isdir(os.path.join(work, f"init-{cfg}")):
+                            not os.path.isdir(os.path.join(work, f"init-{_name(cfg)}")):
                         init = _argv(a, cfg, os.path.join(work, "init.json"), "megatron",
                                      "", None)
                         init = init[:init.index("--train-iters")] + [
-                            "--train-iters", "0", "--save", os.path.join(work, f"init-{cfg}")]
+                            "--train-iters", "0", "--save", os.path.join(work, f"init-{_name(cfg)}")]
                         rc = spawn_local(a.tensor_model_parallel_size, init, prefix=prefix,
                                          extra_env=env, timeout_s=600, log=log)
                         if rc != 0:
@@ -335,7 +341,7 @@ def run_bench(a: BenchOptions) -> int:
                     if emu:        # the cost source is the emulated cluster's file
                         cluster = ""
                     elif profile:
-                        cluster = os.path.join(work, f"table-{cfg}-{link}.json")
+                        cluster = os.path.join(work, f"table-{_name(cfg)}-{link}.json")
                         bar.set_postfix_str(f"{cfg} {link} profile")
                         # the layer's TP (× EP × CP) groups alone: the table is per layer
                         _profile(a, cfg, cluster, a.tensor_model_parallel_size *
@@ -343,7 +349,7 @@ def run_bench(a: BenchOptions) -> int:
                                  1, prefix, env, log, f"{cfg} {link}")
                         bar.update(1)
                         if chunked:     # the chunked run's layer: its MLP in chunks
-                            planned = os.path.join(work, f"table-{cfg}-{link}-chunks.json")
+                            planned = os.path.join(work, f"table-{_name(cfg)}-{link}-chunks.json")
                             bar.set_postfix_str(f"{cfg} {link} profile (MLP chunks)")
                             _profile(a, cfg, planned, a.tensor_model_parallel_size,
                                      a.dhelix_mlp_chunks, prefix, env, log,
@@ -355,8 +361,8 @@ def run_bench(a: BenchOptions) -> int:
                     env = dict(env, **(_emulated_nodes(a, emu) if emu else _node_env(a)))
                     for rnd in range(a.rounds):
                         for method in methods:
-                            out = os.path.join(work, f"{cfg}-{link}-{method}-{rnd}.json")
-                            trace = os.path.join(work, f"{cfg}-{link}-trace.json")
+                            out = os.path.join(work, f"{_name(cfg)}-{link}-{method}-{rnd}.json")
+                            trace = os.path.join(work, f"{_name(cfg)}-{link}-trace.json")
                             bar.set_postfix_str(f"{cfg} {link} {method} round {rnd + 1}")
                             train_argv = _argv(a, cfg, out, method,
                                                planned if method == CHUNKS else cluster,
