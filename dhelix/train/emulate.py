@@ -16,7 +16,8 @@ this run's TP/SP/CP/EP (`planner.shapes.layer_ops_for_shape`): op for op the sam
 the live layer's, which is checked.
 
     compute   paced:CLUSTER[,x=FACTOR]   a40 | a800 | h100 | a cluster YAML; FACTOR >= 1
-    emulate   MODEL[,seq=S][,mbs=B]      the shape whose time the ranks keep
+    emulate   MODEL[,seq=S][,mbs=B][,dp=D]  the shape whose time the ranks keep
+    (parsed in `emulation_flags.py`)
 
 `dhelix train --compute ... --emulate ...` (with `--link paced:...`) paces a run
 (`install_for_run`): DHelix layers op by op (`Pacer.run`, from the executor), megatron's
@@ -30,7 +31,6 @@ priced at the layers' ratios (parameters, activations).
 """
 from __future__ import annotations
 
-import re
 import threading
 import time
 from contextlib import contextmanager
@@ -40,61 +40,9 @@ from typing import Dict, Optional
 import torch
 
 from dhelix.models.params import grad_scales
+from dhelix.train.emulation_flags import (Emulation, EmulationError, _cluster,  # noqa: F401
+                                          parse)
 from dhelix.planner.opspec import COMM, LayerOps
-
-
-class EmulationError(ValueError):
-    """A --compute / --emulate value that cannot be used; names the flag and the fix."""
-
-
-@dataclass(frozen=True)
-class Emulation:
-    cluster: str                  # a40 | a800 | h100 | a YAML path
-    factor: float = 1.0           # emulated time runs this many times slower than the cluster
-    model: str = ""               # the emulated model config (name or YAML)
-    seq_length: Optional[int] = None
-    micro_batch_size: Optional[int] = None
-    # the data-parallel size the gradient reduction is priced at (None: the run's own):
-    # a run with DP cut to fit this machine still reduces as the published DP would
-    data_parallel_size: Optional[int] = None
-
-
-def parse(compute: str, emulate: str) -> Optional[Emulation]:
-    """`paced:a40,x=4` and `llama-8b,seq=4096,mbs=1[,dp=16]` -> an Emulation (None: not
-    paced)."""
-    compute = (compute or "none").strip()
-    if compute == "none":
-        return None
-    m = re.fullmatch(r"paced:([^,]+)(?:,x=([\d.]+))?", compute)
-    if not m:
-        raise EmulationError(f"--compute {compute!r}: use paced:CLUSTER[,x=FACTOR] (e.g. "
-                             f"paced:a40,x=4), CLUSTER a40, a800, h100 or a cluster YAML")
-    factor = float(m.group(2) or 1.0)
-    if factor < 1:
-        raise EmulationError(f"--compute {compute!r}: x={factor:g} would ask the small ops "
-                             f"to run faster than the cluster; give x >= 1")
-    parts = [p.strip() for p in (emulate or "").split(",") if p.strip()]
-    if not parts or "=" in parts[0]:
-        raise EmulationError("--compute paced:... needs --emulate MODEL[,seq=S][,mbs=B][,dp=D]: "
-                             "the model shape whose time the ranks keep (e.g. llama-8b)")
-    opts = {}
-    for p in parts[1:]:
-        k, _, v = p.partition("=")
-        if k not in ("seq", "mbs", "dp") or not v.isdigit() or int(v) < 1:
-            raise EmulationError(f"--emulate {emulate!r}: {p!r}: use seq=S, mbs=B and dp=D "
-                                 f"(the DP size the gradient reduction is priced at), "
-                                 f"positive integers")
-        opts[k] = int(v)
-    return Emulation(m.group(1), factor, parts[0], opts.get("seq"), opts.get("mbs"),
-                     opts.get("dp"))
-
-
-def _cluster(name: str) -> dict:
-    """A cluster by name (configs/clusters/NAME.yaml) or YAML path."""
-    from dhelix.models.config import find_named_yaml
-    from dhelix.planner.costmodel import load_cluster
-    return load_cluster(find_named_yaml(name, "clusters", f"--compute paced:{name}",
-                                        "cluster", EmulationError))
 
 
 @dataclass
