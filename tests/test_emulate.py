@@ -309,16 +309,49 @@ def test_published_rows_fit_and_price_the_published_dp():
     c = _cluster("a40")
     small, big = load_model_config("tiny-llama-emu"), load_model_config("llama-8b")
 
-    def reduce_s(emulate, dist_opt=False):
+    def dp_comm(emulate, dist_opt=False, cluster=c):
         a = SimpleNamespace(nproc=16, tensor_model_parallel_size=4, context_parallel_size=1,
                             pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                             compute="paced:a40", emulate=emulate,
                             distributed_optimizer=dist_opt)
-        return emulated.dp_reduce_seconds(a, small, big, c, [32], [(True, True)])[0]
-    run, published = reduce_s("llama-8b"), reduce_s("llama-8b,dp=16")
+        return emulated.stage_dp(a, big, cluster, [32], [(True, True)])[0]
+    run, published = dp_comm("llama-8b"), dp_comm("llama-8b,dp=16")
+    assert len(run.reduce) == 32 and run.gather == []      # a bucket per layer
     # the ring's 2(n-1)/n: 16 ranks move 1.875/1.5 of 4 ranks' bytes per rank (+ latency)
-    assert published / run == pytest.approx(1.875 / 1.5, rel=0.02)
-    assert reduce_s("llama-8b,dp=16", True) == pytest.approx(published / 2, rel=0.02)
+    assert sum(published.reduce) / sum(run.reduce) == pytest.approx(1.875 / 1.5, rel=0.02)
+    dist = dp_comm("llama-8b,dp=16", True)
+    # the distributed optimizer: a reduce-scatter of fp32 gradients (half the all-reduce),
+    # an all-gather of bf16 parameters (half that again)
+    assert sum(dist.reduce) == pytest.approx(sum(published.reduce) / 2, rel=0.02)
+    assert sum(dist.gather) == pytest.approx(sum(dist.reduce) / 2, rel=0.02)
+    # the embedding rides the last bucket reduced and the first gathered
+    assert dist.reduce[-1] == pytest.approx(max(dist.reduce), rel=0.01)
+    assert dist.reduce[-1] == pytest.approx(2 * dist.gather[0], rel=0.02)
+    assert dist.reduce[-1] > 3 * dist.reduce[1]
+    # A40: the 4 DP rings a node's 8 GPUs (2 TP groups of 4) run share its one NIC; with
+    # a NIC per GPU each ring has its own
+    rail = dict(c, nics_per_node=8)
+    assert sum(dp_comm("llama-8b,dp=16", True, c).reduce) == pytest.approx(
+        4 * sum(dp_comm("llama-8b,dp=16", True, rail).reduce), rel=0.05)
+
+
+def test_dp_traffic_hides_behind_the_alone_micro_batches():
+    """The simulator's DP traffic (`StageDP.exposed`): gradient buckets reduced as the last
+    backward readies them (one per `t_bwd`), the tail exposed; the parameter gathers
+    chained through the first forward, throttling it where a gather outlasts a layer."""
+    from dhelix.bench.emulated import StageDP
+    from dhelix.planner.costmodel import nic_share
+    d = StageDP([1.0] * 4, [1.0] * 4)
+    # backward 2 s a layer: each bucket reduced within the next layer's backward but the
+    # last (1 s after the backward ends); forward 0.5 s: every layer waits for its gather
+    assert d.exposed(0.5, 2.0) == pytest.approx((1.0, 2.5))
+    # backward 0.5 s: the link is the bottleneck (4 s of reduction from 0.5 s, 2 s of
+    # backward); forward 2 s: only the first gather is exposed
+    assert d.exposed(2.0, 0.5) == pytest.approx((2.5, 1.0))
+    assert StageDP([0.1] * 3, []).exposed(1.0, 1.0) == pytest.approx((0.1, 0.0))
+    # a node of 8 GPUs whose rings have 2 members on it: 4 rings; 1 NIC each, 2 for 8
+    assert nic_share({}, 8, 2) == 4 and nic_share({"nics_per_node": 8}, 8, 2) == 1
+    assert nic_share({"nics_per_node": 2}, 8, 1) == 4
 
 
 @pytest.mark.timeout(600)
@@ -351,7 +384,9 @@ def test_published_row_end_to_end(tmp_path):
 def test_paced_link_prices_a_group_at_its_emulated_size():
     """The paced link's `group_size` (set by `--emulate ...,dp=D`) prices a group's
     collective as that many ranks: a 4-rank all-reduce priced as 16 takes the ring's
-    2·15/16 of the bytes instead of 2·3/4, plus 15 latencies instead of 3."""
+    2·15/16 of the bytes instead of 2·3/4, plus 15 latencies instead of 3; `share`
+    divides a group's rate among the rings crossing one NIC, and a byte scale keyed by
+    (group, collective) overrides the group's for that collective."""
     import time as _time
     from dhelix.links.paced import PacedLink
     from dhelix.planner.costmodel import collective_seconds
@@ -367,4 +402,15 @@ def test_paced_link_prices_a_group_at_its_emulated_size():
         t = _time.perf_counter()
         done = link.schedule(g, "all_reduce", 8_000_000)
         want = collective_seconds("all_reduce", 8e6, size or 4, 1e9, 1e-5)
+        assert done - t == pytest.approx(want, rel=0.01, abs=2e-4)
+    # the NIC shared with 3 other rings (`share`): a quarter of the rate; a byte scale
+    # for one kind of collective (the parameters' all-gather in bf16) beside the group's
+    link, g = PacedLink(1e9, 1e-5), Group()
+    link._keys[id(g)] = "inter:0-1"
+    link.share, link.byte_scale = {id(g): 4.0}, {id(g): 2.0, (id(g), "all_gather"): 1.0}
+    for kind, scale in (("reduce_scatter", 2.0), ("all_gather", 1.0)):
+        t = _time.perf_counter()
+        done = link.schedule(g, kind, 8_000_000)
+        link.free_at.clear()
+        want = collective_seconds(kind, 8e6 * scale, 4, 1e9 / 4, 1e-5)
         assert done - t == pytest.approx(want, rel=0.01, abs=2e-4)

@@ -15,17 +15,20 @@ The prediction, from the same table the pacing waits out (`emulate.emulated_laye
   * PP > 1: the pipeline simulator (`planner/pipeline.py`): 1F1B, interleaved (two chunks
     per stage) and the fold with the planned plan, the P2P message over the slowest stage
     boundary's link;
-  * plus the DP gradient reduction (and the expert-DP one) at the end of the step, one
-    all-reduce of each stage's gradients as the emulation moves them
-    (`emulate.stage_grad_bytes`), on the link its group spans; a stage's step ends when
-    its own reduction does. (The small model's gradients fit one of megatron's buckets, so
-    nothing of the reduction overlaps the backward in the measurement either.)
+  * plus what the DP traffic adds (`StageDP`), one bucket per layer as megatron's DDP
+    makes them (the small model's buckets are about a layer each too): the gradient
+    buckets reduced behind the last micro-batch's backward, their tail exposed, and with
+    the distributed optimizer the parameter all-gathers that megatron chains through the
+    first micro-batch's forward, throttling it where a gather outlasts a layer's forward
+    (both alone in both schedules); with PP each stage's tail, and every stage's gathers
+    on the first micro-batch's way through the pipeline.
 Not predicted: the unpaced parts (embedding, loss, optimizer at the small model's speed)
 and the ranks' own time beyond the paced ops (`own share` in the table).
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
 
 from dhelix.bench.report import step_time
 
@@ -50,42 +53,89 @@ def _lane(ranks, nodes) -> str:
 
 def _reduce_s(nbytes: float, ranks: List[int], nodes, cluster, grow: float = 1.0,
               kind: str = "all_reduce") -> float:
-    """One gradient reduction over `ranks`, priced as a group `grow` times their number
-    (the emulated DP size over the run's, as the paced link prices it)."""
-    from dhelix.planner.costmodel import collective_seconds
+    """One collective over `ranks`, priced as a group `grow` times their number (the
+    emulated DP size over the run's, as the paced link prices it); across nodes at the
+    NIC's share (`costmodel.nic_share`)."""
+    from dhelix.planner.costmodel import collective_seconds, nic_share
     if len(ranks) < 2 or not nbytes:
         return 0.0
-    ln = cluster[f"{_lane(ranks, nodes)}_node"]
+    lane = _lane(ranks, nodes)
+    ln = cluster[f"{lane}_node"]
     bw = float(ln["bandwidth_GBps"]) * 1e9 * float(ln.get("efficiency", 1.0))
+    if lane == "inter":            # the node's other rings cross its NICs at the same time
+        home = nodes[ranks[0]]
+        bw /= nic_share(cluster, nodes.count(home), sum(nodes[r] == home for r in ranks))
     return collective_seconds(kind, nbytes, max(1, round(len(ranks) * grow)), bw,
                               float(ln.get("latency_us", 0.0)) * 1e-6)
 
 
-def dp_reduce_seconds(a, small, big, cluster, stage_layers: List[int],
-                      holds: List[tuple]) -> List[float]:
-    """Per pipeline stage: its DP (and expert-DP) gradient all-reduce, seconds. `holds`:
-    per stage, (has the embedding, has the output layer)."""
-    from dhelix.models.params import stage_grad_bytes
+@dataclass
+class StageDP:
+    """One pipeline stage's DP (and expert-DP) traffic as megatron's DDP moves it, one
+    bucket per layer, seconds per collective: `reduce` the gradient buckets in the order
+    the last backward readies them (the output layer and final norm with the last layer,
+    the embedding with the first), `gather` the distributed optimizer's parameter
+    all-gathers (`--overlap-param-gather`) in forward order, [] without it."""
+    reduce: List[float]
+    gather: List[float]
+
+    def exposed(self, t_fwd: float, t_bwd: float) -> Tuple[float, float]:
+        """(reduce, gather): the seconds each adds to the step. A bucket's reduction
+        starts when the last micro-batch's backward has passed its layer (one layer every
+        `t_bwd`) and the link is free; what ends after the backward is exposed. The
+        gathers are chained as megatron chains them: the first is issued when the step
+        starts, each next one when the first micro-batch's forward reaches the layer
+        before (its pre-hook), and a layer's forward (`t_fwd`) waits for its own."""
+        n, link = len(self.reduce), 0.0
+        for i, r in enumerate(self.reduce):
+            link = max(link, (i + 1) * t_bwd) + r
+        reduce = max(0.0, link - n * t_bwd)
+        issue = link = end = 0.0
+        for g in self.gather:
+            link = max(issue, link) + g          # this layer's parameters are here
+            issue = max(link, end)               # its forward starts: the next is issued
+            end = issue + t_fwd
+        return reduce, (max(0.0, end - len(self.gather) * t_fwd) if self.gather else 0.0)
+
+
+def stage_dp(a, big, cluster, stage_layers: List[int], holds: List[tuple]) -> List[StageDP]:
+    """Per pipeline stage, its DP and expert-DP buckets priced on the link its group spans
+    at the emulated DP size (`_reduce_s`). `holds`: per stage, (has the embedding, has the
+    output layer). Gradients move in fp32 and are all-reduced, or reduce-scattered with
+    the distributed optimizer, whose all-gather moves bf16 parameters (Megatron-LM with
+    --bf16)."""
+    from dhelix.models.params import param_classes
     from dhelix.train.emulate import parse
     tp, cp, pp, dp = _sizes(a)
     emu = parse(getattr(a, "compute", "none"), getattr(a, "emulate", ""))
     grow = ((emu and emu.data_parallel_size) or dp) / dp
-    # the distributed optimizer reduce-scatters the gradients (its all-gather of the
-    # weights overlaps the next step's forward)
-    kind = "reduce_scatter" if getattr(a, "distributed_optimizer", False) else "all_reduce"
+    dist_opt = getattr(a, "distributed_optimizer", False)
     ep = a.expert_model_parallel_size
+    c = param_classes(big, tp, ep)
     nodes = node_ids(a, cluster)
     per_stage = tp * cp * dp
     out = []
     for g in range(pp):
-        nb = stage_grad_bytes(big, tp, ep, stage_layers[g], *holds[g])
         base = g * per_stage
         # megatron's order tp-cp-dp-pp: DP (with CP) steps over the TP ranks; the experts'
         # (expert TP 1: ep-dp over the stage's ranks) steps over the EP ranks
         dp_ranks = [base + k * tp for k in range(cp * dp)]
         edp_ranks = [base + k * ep for k in range(per_stage // ep)] if ep > 1 else []
-        out.append(_reduce_s(nb["dp"], dp_ranks, nodes, cluster, grow, kind) +
-                   _reduce_s(nb["edp"], edp_ranks, nodes, cluster, grow, kind))
+
+        def price(dense: float, experts: float, kind: str, dtype_bytes: int) -> float:
+            return (_reduce_s(dense * dtype_bytes, dp_ranks, nodes, cluster, grow, kind) +
+                    _reduce_s(experts * dtype_bytes, edp_ranks, nodes, cluster, grow, kind))
+        first, last = holds[g]
+        n = stage_layers[g]
+        # forward order: the embedding with the first layer, the output with the last
+        extra = [c["embedding"] if first and i == 0 else 0.0 for i in range(n)]
+        if last and n:
+            extra[-1] += c["output"] + c["norm"]
+        kind = "reduce_scatter" if dist_opt else "all_reduce"
+        reduce = [price(c["layer"] + e, c["experts"], kind, 4) for e in reversed(extra)]
+        gather = [price(c["layer"] + e, c["experts"], "all_gather", 2) for e in extra] \
+            if dist_opt else []
+        out.append(StageDP(reduce, gather))
     return out
 
 
@@ -109,29 +159,37 @@ def predictions(a, cfg: str, emu) -> Dict[str, dict]:
     out = {}
     if pp == 1:
         none = StepExtras(0, 0, 0, 0, 0, 0, L)
-        reduce_s = dp_reduce_seconds(a, small, big, cluster, [L], [(True, True)])[0]
+        dp_comm = stage_dp(a, big, cluster, [L], [(True, True)])[0]
         for m, w in (("megatron", simulate_megatron_step(ops, table, L, N, none)),
                      ("dhelix-trivial", simulate_step(ops, trivial_plan(ops), table, L, N,
                                                       none)),
                      ("dhelix-plan", simulate_step(ops, plan, table, L, N, none))):
-            out[m] = {"layers_s": w.total_s, "reduce_s": reduce_s,
-                      "step_s": w.total_s + reduce_s}
+            # F(1) and B(N) run alone in both schedules: the gathers throttle the one,
+            # the buckets reduce behind the other
+            red, gat = dp_comm.exposed(w.layer_forward_s, w.layer_backward_s)
+            out[m] = {"layers_s": w.total_s, "reduce_s": red, "gather_s": gat,
+                      "step_s": w.total_s + red + gat}
         return out
     s, b = emu.seq_length or a.seq_length, emu.micro_batch_size or a.micro_batch_size
     act = s // cp // (tp if tp > 1 else 1) * b * big.hidden_size * 2
     nodes, per_stage = node_ids(a, cluster), tp * cp * dp
     lane = max((_lane([g * per_stage + r, (g + 1) * per_stage + r], nodes)
                 for g in range(pp - 1) for r in range(per_stage)), key=("intra", "inter").index)
-    res = simulate_pipeline(LayerCosts.from_plan(ops, plan, table), L, pp, N,
-                            cluster_p2p_seconds(act, cluster, lane),
+    costs = LayerCosts.from_plan(ops, plan, table)
+    res = simulate_pipeline(costs, L, pp, N, cluster_p2p_seconds(act, cluster, lane),
                             vpp_layers=L // (2 * pp))
     for m, r in res.items():
         fold = m == "dhelix-fold"       # the fold's stage 0 holds the first and last layers
         holds = [((g == 0), (g == 0) if fold else (g == pp - 1)) for g in range(pp)]
-        red = dp_reduce_seconds(a, small, big, cluster, [L // pp] * pp, holds)
+        exposed = [d.exposed(costs.f, costs.b)
+                   for d in stage_dp(a, big, cluster, [L // pp] * pp, holds)]
+        # each stage's last backward ends with its own buckets' tail; the first
+        # micro-batch's forward crosses every stage, each throttled by its gathers
         ends = [max(x.end for x in st) if st else 0.0 for st in r.order.steps]
-        step = max(e + d for e, d in zip(ends, red))
-        out[m] = {"layers_s": r.makespan, "reduce_s": step - r.makespan, "step_s": step}
+        gat = sum(g for _, g in exposed)
+        step = max(e + red for e, (red, _) in zip(ends, exposed)) + gat
+        out[m] = {"layers_s": r.makespan, "reduce_s": step - gat - r.makespan,
+                  "gather_s": gat, "step_s": step}
     return out
 
 
@@ -153,6 +211,7 @@ def rows(a, cfg: str, link: str, res: dict, methods, pred: Dict[str, dict]) -> L
             "step_s": e["step_s"], "tokens_per_s": e["tokens_per_s"],
             "speedup": base / e["step_s"], "predicted_step_s": p["step_s"],
             "predicted_layers_s": p["layers_s"], "predicted_reduce_s": p["reduce_s"],
+            "predicted_gather_s": p["gather_s"],
             "predicted_speedup": pred[methods[0]]["step_s"] / p["step_s"],
             "measured_vs_predicted": e["step_s"] / p["step_s"],
             "own_share": e["own_share"], "overslept_share": e.get("overslept_share", 0.0),
@@ -170,14 +229,16 @@ def markdown(rows: List[dict]) -> str:
     lines = [f"emulated: {r0['emulate']} on {r0['cluster']} (the ranks {r0['factor']:g}x "
              f"slower), {r0['ranks']} ranks: TP={lo['tp']} CP={lo['cp']} PP={lo['pp']} "
              f"DP={lo['dp']} EP={lo['ep']}", "",
-             "| model | method | emulated step ms | simulator ms (layers + DP reduce) | "
+             "| model | method | emulated step ms | simulator ms (layers + DP reduce + "
+             "param gather exposed) | "
              "measured / simulator | speedup (simulator) | tokens/s | own share | "
              "woken late | final loss |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['method']} | {r['step_s'] * 1e3:.1f} | "
             f"{r['predicted_step_s'] * 1e3:.1f} ({r['predicted_layers_s'] * 1e3:.1f} + "
-            f"{r['predicted_reduce_s'] * 1e3:.1f}) | {r['measured_vs_predicted']:.3f} | "
+            f"{r['predicted_reduce_s'] * 1e3:.1f} + {r['predicted_gather_s'] * 1e3:.1f}) | "
+            f"{r['measured_vs_predicted']:.3f} | "
             f"{r['speedup']:.2f}x ({r['predicted_speedup']:.2f}x) | "
             f"{r['tokens_per_s']:.0f} | {r['own_share']:.1%} | "
             f"{r['overslept_share']:.1%} | {r['final_loss']:.6f} |")

@@ -168,11 +168,16 @@ class PacedLink:
         self.stretched_ops = 0
         self.stretch_slept_s = 0.0
         self.stretch_hook: Optional[str] = None
-        # paced compute (`train/emulate.py`): a group's bytes scaled to the emulated shape's,
-        # and the emulated cluster's links ("intra_node"/"inter_node" -> (bytes/s, s))
-        self.byte_scale: Dict[int, float] = {}
+        # paced compute (`train/emulate.py`): a group's bytes scaled to the emulated shape's
+        # (key id(group), or (id(group), collective) where one kind of collective moves
+        # another dtype: the DP group's parameter all-gather), and the emulated cluster's
+        # links ("intra_node"/"inter_node" -> (bytes/s, s))
+        self.byte_scale: Dict[object, float] = {}
         self.lanes: Optional[Dict[str, Tuple[float, float]]] = None
         self.group_size: Dict[int, int] = {}    # a group priced as this many ranks
+        # a group crossing nodes: how many rings share each NIC with its (the node's
+        # other ranks run theirs at the same time; `costmodel.nic_share`): its rate / this
+        self.share: Dict[int, float] = {}
 
     def link_of(self, pg) -> Optional[str]:
         """The link a group's collectives queue on; None for the default group."""
@@ -202,8 +207,10 @@ class PacedLink:
         rate, lat = self.rate, self.latency
         if self.lanes is not None:
             rate, lat = self.lanes["inter_node" if key.startswith("inter") else "intra_node"]
-        dur = collective_seconds(collective, float(nbytes) * self.byte_scale.get(id(pg), 1.0),
-                                 self.group_size.get(id(pg), pg.size()), rate, lat)
+        scale = self.byte_scale.get((id(pg), collective), self.byte_scale.get(id(pg), 1.0))
+        dur = collective_seconds(collective, float(nbytes) * scale,
+                                 self.group_size.get(id(pg), pg.size()),
+                                 rate / self.share.get(id(pg), 1.0), lat)
         with self.lock:
             now = time.perf_counter()
             start = max(now, self.free_at.get(key, 0.0))

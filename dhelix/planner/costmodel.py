@@ -8,6 +8,8 @@ Cluster file (YAML, see configs/clusters/*.yaml)::
     achieved_fraction: 0.6                      # fraction of peak a layer's kernels reach
     gpus_per_node: 8                            # optional, default 8: which groups
                                                 # fit in a node (CP, EP lanes)
+    nics_per_node: 1                            # optional, default 1: rings that cross
+                                                # nodes share them (`nic_share`)
     intra_node: {bandwidth_GBps: 200, latency_us: 5}
     inter_node: {bandwidth_GBps: 25,  latency_us: 10}
     comm_compute_slowdown: 0.1                  # optional, default 0
@@ -21,6 +23,7 @@ Conventions
   all_gather / reduce_scatter / all_to_all: (n-1)/n * bytes / bw + (n-1) * lat;
   all_reduce: 2 * that; send/recv/p2p/broadcast: bytes / bw + lat.
 * ``bandwidth_GBps`` is in 1e9 bytes/s; a lane's optional ``efficiency`` multiplies it.
+  ``inter_node.bandwidth_GBps`` is one NIC's.
 * Pair times: compute + comm: max(T_c * (1 + slowdown), T_m); compute + compute: sum;
   comm + comm on different lanes: max; on the same lane: sum.
 """
@@ -99,9 +102,20 @@ def check_cluster(c: dict, source: str = "<cluster>") -> None:
     sd = c.get("comm_compute_slowdown", 0.0)
     if not isinstance(sd, (int, float)) or sd < 0:
         raise ClusterError(f"{source}: comm_compute_slowdown must be a number >= 0")
-    g = c.get("gpus_per_node", DEFAULT_GPUS_PER_NODE)
-    if isinstance(g, bool) or not isinstance(g, (int, float)) or g < 1 or g != int(g):
-        raise ClusterError(f"{source}: gpus_per_node must be a positive integer, got {g!r}")
+    for key, default in (("gpus_per_node", DEFAULT_GPUS_PER_NODE), ("nics_per_node", 1)):
+        g = c.get(key, default)
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or g < 1 or g != int(g):
+            raise ClusterError(f"{source}: {key} must be a positive integer, got {g!r}")
+
+
+def nic_share(cluster: dict, on_node: int, members: int) -> float:
+    """How many rings share each NIC when every rank of a node (`on_node` of them) is in
+    a group of one kind that crosses nodes with `members` ranks on this node (megatron's
+    DP, CP, EP and PP groups tile the node this way): the node's rings, `on_node /
+    members`, over its `nics_per_node` (1 if not given), at least 1. A ring's bandwidth
+    across nodes is the NIC's divided by this."""
+    nics = int(cluster.get("nics_per_node", 1))
+    return max(1.0, on_node / max(1, members) / nics)
 
 
 def gpus_per_node(cluster: dict) -> int:

@@ -304,6 +304,24 @@ def emulated_layer(emu: Emulation, *, tp: int, sp: bool, cp: int = 1, ep: int = 
     return big, ops, table, cluster
 
 
+def nic_shares(cluster: dict, groups: Dict[str, object]) -> Dict[int, float]:
+    """id(group) -> how many rings share each of this node's NICs with it
+    (`costmodel.nic_share`), for the groups among `groups` that cross nodes."""
+    import torch.distributed as dist
+    from dhelix.base.nodes import node_ids
+    from dhelix.planner.costmodel import nic_share
+    ids = node_ids(dist.get_world_size())
+    me = ids[dist.get_rank()]
+    out = {}
+    for g in groups.values():
+        if g is None:
+            continue
+        ranks = dist.get_process_group_ranks(g)
+        if len({ids[r] for r in ranks}) > 1:
+            out[id(g)] = nic_share(cluster, ids.count(me), sum(ids[r] == me for r in ranks))
+    return out
+
+
 def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int = 1,
             ep: int = 1, seq_length: int, micro_batch_size: int, bf16: bool = False,
             groups: Dict[str, object], gemms: bool = False,
@@ -345,6 +363,13 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
     for g, r in (grads or {"dp": _layer_params(big) / _layer_params(small)}).items():
         ratio.setdefault(g, r)                      # gradients
     link.byte_scale = {id(g): ratio.get(k, act) for k, g in groups.items() if g is not None}
+    # the distributed optimizer's parameter all-gather moves the parameters' dtype, bf16 in
+    # the emulated run (Megatron-LM with --bf16: params_dtype bf16, gradients reduced in
+    # fp32), where the small model gathers its own (fp32 unless bf16)
+    for k in ("dp", "edp"):
+        if groups.get(k) is not None:
+            link.byte_scale[(id(groups[k]), "all_gather")] = \
+                link.byte_scale[id(groups[k])] * 2 / (2 if bf16 else 4)
     link.group_size = {}
     dp_group = groups.get("dp")
     if emu.data_parallel_size and dp_group is not None:
@@ -353,6 +378,7 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
         grow = emu.data_parallel_size / (dp_group.size() // cp)
         link.group_size = {id(g): max(1, round(g.size() * grow))
                            for k, g in groups.items() if k in ("dp", "edp") and g is not None}
+    link.share = nic_shares(cluster, groups)
     link.lanes = {k: (float(cluster[k]["bandwidth_GBps"]) * 1e9 *
                       float(cluster[k].get("efficiency", 1.0)) / f,
                       float(cluster[k].get("latency_us", 0.0)) * 1e-6 * f)
@@ -444,7 +470,7 @@ def uninstall() -> None:
     _ACTIVE.pop("gemm", None)           # the kernel hook stays, passing through
     link = active_link()
     if link is not None:
-        link.byte_scale, link.lanes = {}, None
+        link.byte_scale, link.lanes, link.group_size, link.share = {}, None, {}, {}
 
 
 def _layer_params(m) -> float:
