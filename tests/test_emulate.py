@@ -354,6 +354,20 @@ def test_dp_traffic_hides_behind_the_alone_micro_batches():
     assert nic_share({"nics_per_node": 2}, 8, 1) == 4
 
 
+def test_published_table_keeps_the_rows_it_does_not_redo(tmp_path):
+    """A table built over several runs: the rows of an earlier table.json in --out that
+    this run does not redo are kept, in the table's order."""
+    import json
+    from dhelix.bench.published import _in_table_order, _kept
+    rows = [{"row": "gpt-18b", "speedup": 1.3}, {"row": "llama-8b", "speedup": 1.2}]
+    (tmp_path / "table.json").write_text(json.dumps({"rows": rows}))
+    kept = _kept(str(tmp_path), {"llama-8b"})
+    assert kept == rows[:1]
+    assert [r["row"] for r in _in_table_order(kept + [{"row": "llama-8b"}])] == \
+        ["llama-8b", "gpt-18b"]
+    assert _kept(str(tmp_path / "none"), set()) == []
+
+
 @pytest.mark.timeout(600)
 def test_published_row_end_to_end(tmp_path):
     """`dhelix published` runs one row end to end at a tiny factor (the table's machinery,

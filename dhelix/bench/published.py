@@ -9,7 +9,8 @@ the DP gradient reduction still priced at the published DP size (`--emulate ...,
 distributed optimizer with overlapped gradient reduce and parameter gather. Megatron runs
 1F1B and interleaved with PP (the better counts), DHelix the planner's plan (the fold with
 PP). The rows' numbers are emulated time (`train/emulate.py`): the ranks wait out each
-op's time on the cluster model; what is not paced runs at the small model's speed.
+op's time on the cluster model; what is not paced runs at the small model's speed. The
+rows of an earlier table in the output directory that a run does not redo are kept.
 """
 from __future__ import annotations
 
@@ -162,7 +163,8 @@ def summarize(row: Row, o: TableOptions, bench_rows: List[dict], rc: int,
         "speedup": meg["step_s"] / dh["step_s"],
         "speedup_simulated": meg_sim / dh["predicted_step_s"],
         "megatron_sim_ms": meg_sim * 1e3, "dhelix_sim_ms": dh["predicted_step_s"] * 1e3,
-        "reduce_ms": dh["predicted_reduce_s"] * 1e3,
+        # what the DP traffic adds to DHelix's step in the simulator (`emulated.StageDP`)
+        "dp_exposed_ms": (dh["predicted_reduce_s"] + dh.get("predicted_gather_s", 0.0)) * 1e3,
         "memory_vs_megatron": dh["peak_activation_bytes"] / max(1, meg["peak_activation_bytes"]),
         "losses_equal": rc == 0, "final_loss": (meg["final_loss"], dh["final_loss"]),
         "own_share": max(meg["own_share"], dh["own_share"]), "factor": o.factor,
@@ -173,7 +175,7 @@ def summarize(row: Row, o: TableOptions, bench_rows: List[dict], rc: int,
 def markdown(done: List[dict], skipped: List[str]) -> str:
     lines = ["| row | published layout (seq) | ran: ranks, DP, layers | megatron (best) ms "
              "| DHelix ms | DHelix vs megatron measured (simulated) | act. memory vs "
-             "megatron | losses equal | DP reduce after the layers (sim.) ms | own share | "
+             "megatron | losses equal | DP traffic exposed (sim.) ms | own share | "
              "minutes here |", "|---|---|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in done:
         lines.append(
@@ -181,7 +183,8 @@ def markdown(done: List[dict], skipped: List[str]) -> str:
             f"DP{r['run_dp']}, {r['layers']} | {r['megatron_ms']:.0f} "
             f"({r['megatron_method']}) | {r['dhelix_ms']:.0f} | **{r['speedup']:.2f}x** "
             f"({r['speedup_simulated']:.2f}x) | {r['memory_vs_megatron']:.3f} | "
-            f"{'yes' if r['losses_equal'] else 'NO'} | {r['reduce_ms']:.0f} | "
+            f"{'yes' if r['losses_equal'] else 'NO'} | "
+            f"{r.get('dp_exposed_ms', r.get('reduce_ms', 0.0)):.0f} | "
             f"{r['own_share']:.1%} | {r['wall_min']:.1f} |")
     lines += [f"\nnot run: {s}" for s in skipped]
     return "\n".join(lines)
@@ -211,7 +214,9 @@ def run_table(o: TableOptions) -> int:
     from dhelix.bench.run import run_bench
     rows = select(o.rows)
     os.makedirs(os.path.join(o.out, "rows"), exist_ok=True)
-    done, skipped, rc_all = [], [], 0
+    ran, skipped, rc_all = [], [], 0
+    kept = _kept(o.out, {r.key for r in rows})
+    done = _in_table_order(kept)
     for k, row in enumerate(rows):
         d = run_dp(row, o.max_ranks)
         if d is None:
@@ -231,12 +236,28 @@ def run_table(o: TableOptions) -> int:
             bench_rows = json.load(f)["rows"]
         for r in bench_rows:
             r["config_layers"] = o.num_layers or _layers(row)
-        done.append(summarize(row, o, bench_rows, rc, time.time() - t0))
+        ran.append(summarize(row, o, bench_rows, rc, time.time() - t0))
         rc_all = rc_all or rc
+        done = _in_table_order(kept + ran)
         _write(o, done, skipped)          # after every row: a stopped table keeps its rows
     print(markdown(done, skipped))
     print(f"dhelix published: wrote {o.out}/table.md, table.json, table.png")
     return rc_all
+
+
+def _kept(out: str, rerun) -> List[dict]:
+    """The rows of an earlier table in `out` that this run does not redo: a table built
+    over several runs (`--rows` a few at a time) keeps them."""
+    path = os.path.join(out, "table.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [r for r in json.load(f).get("rows", []) if r.get("row") not in rerun]
+
+
+def _in_table_order(done: List[dict]) -> List[dict]:
+    order = {r.key: i for i, r in enumerate(ROWS)}
+    return sorted(done, key=lambda r: order.get(r["row"], len(order)))
 
 
 def _layers(row: Row) -> int:

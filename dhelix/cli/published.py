@@ -30,7 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-layers", type=int, default=D.num_layers,
                    help="> 0: this many layers instead of each model's own (quick checks)")
     p.add_argument("--out", default=D.out, help="output directory: table.md, table.json, "
-                                                "table.png, rows/ (default: %(default)s)")
+                                                "table.png, rows/; the rows of an earlier "
+                                                "table there that --rows does not redo are "
+                                                "kept (default: %(default)s)")
     p.set_defaults(func=run)
 
 
