@@ -199,14 +199,18 @@ class Pricer:
         return {"dense": per * c["layer"] + ends, "experts": per * c["experts"]}
 
     def _dp(self, lo: Layout, params: Dict[str, float], lc) -> float:
-        from dhelix.planner.costmodel import collective_seconds
+        from dhelix.planner.costmodel import collective_seconds, nic_share
 
         def coll(kind, nbytes, n):
             if n < 2 or not nbytes:
                 return 0.0
-            # DP (with CP) steps over TP×CP ranks: inside a node while TP·CP·DP fits one
-            ln = self.cluster[f"{_lane(lo.tp * lo.cp * n, self.gpn)}_node"]
+            # DP (with CP) steps over TP×CP ranks: inside a node while TP·CP·DP fits one;
+            # across nodes, the node's rings (one per TP·CP rank) share its NICs
+            lane = _lane(lo.tp * lo.cp * n, self.gpn)
+            ln = self.cluster[f"{lane}_node"]
             bw = float(ln["bandwidth_GBps"]) * 1e9 * float(ln.get("efficiency", 1.0))
+            if lane == "inter":
+                bw /= nic_share(self.cluster, self.gpn, max(1, self.gpn // (lo.tp * lo.cp)))
             return collective_seconds(kind, nbytes, n, bw, float(ln.get("latency_us", 0))
                                       * 1e-6)
         n_dense, n_exp = lo.dp * lo.cp, lo.tp * lo.cp * lo.dp // lo.ep
