@@ -129,7 +129,8 @@ def test_plan_file_for_the_emulated_shape(tmp_path):
 def test_megatron_gemms_that_cannot_be_told_apart_are_refused():
     """tiny-llama at TP=2: the QKV weight (64 x 64) and fc2's (64 x 64) have one shape but
     different emulated times: one message naming them and the fix."""
-    from dhelix.train.emulate import EmulationError, _gemm_names
+    from dhelix.train.emulate import EmulationError
+    from dhelix.train.emulate_gemms import _gemm_names
     from dhelix.models.config import load_model_config
     with pytest.raises(EmulationError, match="qkv and fc2 have one shape"):
         _gemm_names(load_model_config("tiny-llama"), 2, True, 48, 2, 1,
@@ -143,7 +144,7 @@ def test_expert_gemms_are_named_by_shape_with_their_rows_share():
     ("x", 96, 320), its wgrad ("w", 320, 96); an expert GEMM of m rows is m / (64 tokens ×
     top-2) of the op; a dense model has no expert keys."""
     from dhelix.models.config import load_model_config
-    from dhelix.train.emulate import GemmPacer, _gemm_names
+    from dhelix.train.emulate_gemms import GemmPacer, _gemm_names
     ops = ("qkv", "proj", "experts_fc1", "experts_fc2")
     seconds = {f"{o}{x}": 1.0 for o in ops for x in ("", "_dgrad", "_wgrad")}
     names, tokens, experts, routed = _gemm_names(load_model_config("tiny-moe-emu"), 1,
@@ -162,6 +163,38 @@ def test_expert_gemms_are_named_by_shape_with_their_rows_share():
                         {f"{o}{x}": 1.0 for o in ("qkv", "proj", "fc1", "fc2")
                          for x in ("", "_dgrad", "_wgrad")})
     assert dense[2] == {} and dense[3] == 0
+
+
+def test_the_output_layer_is_paced_on_both_paths_at_the_emulated_vocabulary():
+    """The head (the output layer's GEMMs) is named by its weight's shape beside megatron's
+    layer GEMMs, or alone where DHelix runs the layers op by op; its emulated time is the
+    one `dhelix advise` prices (a third of the head's three GEMMs); a head as wide as the
+    tokens cannot be told apart and is refused."""
+    from dhelix.advise.layouts import Layout
+    from dhelix.advise.price import Pricer
+    from dhelix.models.config import load_model_config
+    from dhelix.train.emulate import EmulationError, _cluster
+    from dhelix.train.emulate_gemms import GemmPacer, _gemm_names, head_seconds
+    small = load_model_config("tiny-llama-emu")
+    ops = ("qkv", "proj", "fc1", "fc2", "head")
+    seconds = {f"{o}{x}": 1.0 for o in ops for x in ("", "_dgrad", "_wgrad")}
+    names = _gemm_names(small, 4, True, 64, 1, 1, seconds, head=(96, 128))[0]
+    assert names[("x", 96, 128)] == "head" and names[("w", 128, 96)] == "head_wgrad"
+    assert names[("x", 96, 72)] == "qkv"
+    alone, tokens = _gemm_names(small, 4, True, 64, 1, 1, seconds, head=(96, 128),
+                                layers=False)[:2]
+    assert set(alone.values()) == {"head", "head_dgrad", "head_wgrad"}
+    g = GemmPacer(None, alone, tokens, {}, 0)
+    x = lambda *s: torch.empty(*s)  # noqa: E731
+    assert g.name("mm", (x(64, 128), x(128, 96))) == ("head_dgrad", 1.0)
+    assert g.name("mm", (x(64, 96), x(96, 72))) is None     # a layer GEMM: DHelix's op
+    with pytest.raises(EmulationError, match="head weight"):
+        _gemm_names(small, 4, True, 64, 1, 1, seconds, head=(96, 64), layers=False)
+    big, c = load_model_config("llama-8b"), _cluster("a40")
+    lo = Layout(tp=4, cp=1, pp=1, dp=16, ep=1, mbs=1, microbatches=8, schedule="megatron",
+                recompute=False)
+    advised = Pricer(big, c, 4096, 128)._head(lo)[0]
+    assert 3 * head_seconds(big, c, 4096, 4) == pytest.approx(advised, rel=1e-9)
 
 
 @pytest.mark.parametrize("compute,emulate,msg", [

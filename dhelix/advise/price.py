@@ -182,8 +182,9 @@ class Pricer:
     def _head(self, lo: Layout) -> Tuple[float, float]:
         """(output layer + loss seconds per micro-batch, what it keeps: the fp32 logits,
         the final norm's and the output layer's inputs)."""
+        from dhelix.models.params import head_gemm_flops
         tokens = self.seq // lo.cp * lo.mbs
-        flops = 3 * 2.0 * tokens * self.m.hidden_size * self.m.vocab_size / lo.tp
+        flops = 3 * head_gemm_flops(self.m, tokens, lo.tp)
         t = flops / (self._peak() * float(self.cluster.get("achieved_fraction", 1.0)))
         local = tokens // (lo.tp if lo.tp > 1 else 1) * self.m.hidden_size * self._dt()
         return t, tokens * self.m.vocab_size / lo.tp * 4.0 + 2 * local

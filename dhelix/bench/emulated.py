@@ -15,6 +15,8 @@ The prediction, from the same table the pacing waits out (`emulate.emulated_laye
   * PP > 1: the pipeline simulator (`planner/pipeline.py`): 1F1B, interleaved (two chunks
     per stage) and the fold with the planned plan, the P2P message over the slowest stage
     boundary's link;
+  * plus the output layer's GEMMs, N × 3 per step (paced on both paths; with PP added to
+    the step as a whole, an approximation);
   * plus what the DP traffic adds (`StageDP`), one bucket per layer as megatron's DDP
     makes them (the small model's buckets are about a layer each too): the gradient
     buckets reduced behind the last micro-batch's backward, their tail exposed, and with
@@ -156,6 +158,11 @@ def predictions(a, cfg: str, emu) -> Dict[str, dict]:
         emu, tp=tp, sp=tp > 1, cp=cp, ep=a.expert_model_parallel_size,
         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size)
     plan = planner.plan(ops, table)
+    # the output layer's three GEMMs per micro-batch, paced on both paths and alone in both
+    # schedules (megatron's post-process runs outside DHelix's co-steps)
+    from dhelix.train.emulate_gemms import head_seconds
+    s, b = emu.seq_length or a.seq_length, emu.micro_batch_size or a.micro_batch_size
+    head = N * 3 * head_seconds(big, cluster, s // cp * b, tp)
     out = {}
     if pp == 1:
         none = StepExtras(0, 0, 0, 0, 0, 0, L)
@@ -167,10 +174,9 @@ def predictions(a, cfg: str, emu) -> Dict[str, dict]:
             # F(1) and B(N) run alone in both schedules: the gathers throttle the one,
             # the buckets reduce behind the other
             red, gat = dp_comm.exposed(w.layer_forward_s, w.layer_backward_s)
-            out[m] = {"layers_s": w.total_s, "reduce_s": red, "gather_s": gat,
-                      "step_s": w.total_s + red + gat}
+            out[m] = {"layers_s": w.total_s, "head_s": head, "reduce_s": red,
+                      "gather_s": gat, "step_s": w.total_s + head + red + gat}
         return out
-    s, b = emu.seq_length or a.seq_length, emu.micro_batch_size or a.micro_batch_size
     act = s // cp // (tp if tp > 1 else 1) * b * big.hidden_size * 2
     nodes, per_stage = node_ids(a, cluster), tp * cp * dp
     lane = max((_lane([g * per_stage + r, (g + 1) * per_stage + r], nodes)
@@ -187,9 +193,11 @@ def predictions(a, cfg: str, emu) -> Dict[str, dict]:
         # micro-batch's forward crosses every stage, each throttled by its gathers
         ends = [max(x.end for x in st) if st else 0.0 for st in r.order.steps]
         gat = sum(g for _, g in exposed)
-        step = max(e + red for e, (red, _) in zip(ends, exposed)) + gat
-        out[m] = {"layers_s": r.makespan, "reduce_s": step - gat - r.makespan,
-                  "gather_s": gat, "step_s": step}
+        # the head's stage does its GEMMs per micro-batch on top (approximated as added)
+        step = max(e + red for e, (red, _) in zip(ends, exposed)) + gat + head
+        out[m] = {"layers_s": r.makespan, "head_s": head,
+                  "reduce_s": step - head - gat - r.makespan, "gather_s": gat,
+                  "step_s": step}
     return out
 
 
@@ -211,7 +219,7 @@ def rows(a, cfg: str, link: str, res: dict, methods, pred: Dict[str, dict]) -> L
             "step_s": e["step_s"], "tokens_per_s": e["tokens_per_s"],
             "speedup": base / e["step_s"], "predicted_step_s": p["step_s"],
             "predicted_layers_s": p["layers_s"], "predicted_reduce_s": p["reduce_s"],
-            "predicted_gather_s": p["gather_s"],
+            "predicted_gather_s": p["gather_s"], "predicted_head_s": p["head_s"],
             "predicted_speedup": pred[methods[0]]["step_s"] / p["step_s"],
             "measured_vs_predicted": e["step_s"] / p["step_s"],
             "own_share": e["own_share"], "overslept_share": e.get("overslept_share", 0.0),
@@ -229,14 +237,15 @@ def markdown(rows: List[dict]) -> str:
     lines = [f"emulated: {r0['emulate']} on {r0['cluster']} (the ranks {r0['factor']:g}x "
              f"slower), {r0['ranks']} ranks: TP={lo['tp']} CP={lo['cp']} PP={lo['pp']} "
              f"DP={lo['dp']} EP={lo['ep']}", "",
-             "| model | method | emulated step ms | simulator ms (layers + DP reduce + "
-             "param gather exposed) | "
+             "| model | method | emulated step ms | simulator ms (layers + head + DP "
+             "reduce + param gather exposed) | "
              "measured / simulator | speedup (simulator) | tokens/s | own share | "
              "woken late | final loss |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['config']} | {r['method']} | {r['step_s'] * 1e3:.1f} | "
             f"{r['predicted_step_s'] * 1e3:.1f} ({r['predicted_layers_s'] * 1e3:.1f} + "
+            f"{r.get('predicted_head_s', 0.0) * 1e3:.1f} + "
             f"{r['predicted_reduce_s'] * 1e3:.1f} + {r['predicted_gather_s'] * 1e3:.1f}) | "
             f"{r['measured_vs_predicted']:.3f} | "
             f"{r['speedup']:.2f}x ({r['predicted_speedup']:.2f}x) | "

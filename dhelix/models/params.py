@@ -42,6 +42,13 @@ def param_class(name: str) -> str:
     return "norm"
 
 
+def head_gemm_flops(m, tokens: int, tp: int) -> float:
+    """FLOPs of one of the output layer's three GEMMs (forward, dgrad, wgrad) on one rank:
+    `tokens` rows (the gathered sequence × micro-batch) by the hidden size by the
+    vocabulary's TP shard."""
+    return 2.0 * tokens * m.hidden_size * m.vocab_size / tp
+
+
 # ---- gradients: what the DP (and expert-DP) reduction moves -------------------------------
 def grad_scales(small, big, chunks, tp: int, ep: int) -> Dict[str, float]:
     """{"dp": ..., "edp": ...}: the emulated model's gradient bytes over the small one's,

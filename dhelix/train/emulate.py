@@ -25,9 +25,10 @@ own layers GEMM by GEMM (`GemmPacer`, a CPU-kernel hook: each GEMM named by its 
 shape as the DHelix op it is). `scripts/emulate_layer_step.py` and
 `scripts/emulate_pipelines.py` compare with the layer and pipeline simulators.
 
-Not paced: elementwise ops, the embedding, the output layer, the loss and the optimizer
-step (they run at the small model's speed); the DDP gradient reduce and pipeline P2P are
-priced at the layers' ratios (parameters, activations).
+The output layer's GEMMs are paced on both paths (`emulate_gemms.py`, at the emulated
+vocabulary). Not paced: elementwise ops, the embedding, the loss and the optimizer step
+(they run at the small model's speed); the DDP gradient reduce and pipeline P2P are priced
+at the layers' ratios (parameters, activations).
 """
 from __future__ import annotations
 
@@ -136,149 +137,6 @@ def paced_op(name: str):
     g.pacer.after(name, t0)
 
 
-class GemmPacer:
-    """Paced compute for the layers DHelix does not run op by op — megatron's own
-    TransformerLayer, the baseline: each of their GEMMs (and attention kernels) is named
-    by its weight's shape as the DHelix op it is (qkv, proj, fc1, fc2: forward, dgrad,
-    wgrad; attn, attn_b) and waits out that op's emulated time, as `Pacer.after` does.
-    An expert's GEMM (megatron's SequentialMLP runs the experts one by one, each on the
-    rows routed to it) waits out its rows' share of the expert op: rows / the routed rows
-    the op is priced for (the balanced expectation, `planner/shapes.py`). The ring
-    attention's steps are paced by `paced_op`. Hooked into the CPU kernels
-    (`contention.py`'s mechanism); other GEMMs (the output layer's, the router's) and
-    elementwise ops run at their own speed, as on the DHelix path."""
-
-    def __init__(self, pacer: Pacer, names: Dict[tuple, str], tokens: set,
-                 experts: Optional[Dict[tuple, str]] = None, routed: int = 0):
-        self.pacer, self.names, self.tokens = pacer, names, tokens
-        self.experts, self.routed = experts or {}, routed
-
-    def name(self, func: str, args) -> Optional[tuple]:
-        """(the DHelix op, the share of it) a kernel call is, or None."""
-        if func.startswith("_scaled_dot_product_flash_attention_for_cpu"):
-            return ("attn_b" if func.endswith("backward") else "attn"), 1.0
-        if func in ("mm", "addmm"):
-            a, b = (args[0], args[1]) if func == "mm" else (args[1], args[2])
-            if a.dim() != 2 or b.dim() != 2:
-                return None
-            (m, k), n = a.shape, b.shape[1]
-            if m in self.tokens and ("x", k, n) in self.names:
-                return self.names[("x", k, n)], 1.0          # forward or dgrad
-            if k in self.tokens and ("w", m, n) in self.names:
-                return self.names[("w", m, n)], 1.0          # wgrad
-            if ("x", k, n) in self.experts:                   # an expert's rows
-                return self.experts[("x", k, n)], m / self.routed
-            if ("w", m, n) in self.experts:
-                return self.experts[("w", m, n)], k / self.routed
-        return None
-
-    def call(self, func: str, fn, *args, **kwargs):
-        if getattr(_LOCAL, "in_op", False) or _ACTIVE.get("gemm") is not self:
-            return fn(*args, **kwargs)
-        t0 = time.perf_counter()
-        out = fn(*args, **kwargs)
-        named = self.name(func, args[1:] if args and not isinstance(args[0], torch.Tensor)
-                          else args)
-        if named is not None and named[0] in self.pacer.seconds:
-            self.pacer.after(named[0], t0, named[1])
-        return out
-
-
-def _routed_rows(small, tp: int, sp: bool, seq: int, mbs: int, cp: int) -> int:
-    """The rows a rank's experts are priced for: its tokens × top-k (`planner/shapes.py`'s
-    balanced expectation); 0 for a dense model."""
-    if not small.num_experts:
-        return 0
-    s = seq // cp
-    return (s // tp if sp and tp > 1 else s) * mbs * small.moe_router_topk
-
-
-def _gemm_names(small, tp: int, sp: bool, seq: int, mbs: int, cp: int,
-                seconds: Dict[str, float]) -> tuple:
-    """The running layer's GEMMs by shape: (dense: shape -> the DHelix op it is, the
-    tokens its rows hold, experts: shape -> the expert op, the routed rows an expert op is
-    priced for). ("x", K, N) is a forward or dgrad (M = the tokens, or an expert's rows),
-    ("w", M, N) a wgrad (K = the tokens or rows). Two GEMMs of one shape are one key when
-    their emulated times agree (fc1's dgrad and fc2's forward, without a gated MLP);
-    EmulationError when they do not, when the token count is also a weight width, or when
-    an expert's shape is another GEMM's (the router's, the output layer's)."""
-    from dhelix.models.gpt import transformer_config
-    from dhelix.planner.shapes import _sizes
-    sp = sp and tp > 1
-    z = _sizes(transformer_config(small, tp=tp, sequence_parallel=sp), tp, sp, seq, mbs, cp)
-    T = z["s"] * mbs           # megatron's GEMMs see the gathered sequence under SP
-    h = z["h"]
-    weights = {"qkv": (h, z["qkv"] // tp), "proj": (z["ap"] // tp, h)}
-    experts = {}
-    if small.num_experts:      # experts are not TP-split (expert TP 1)
-        if small.moe_shared_expert_intermediate_size:
-            raise EmulationError("--compute paced:...: megatron's shared experts are not "
-                                 "paced; emulate a model without them, or run --dhelix")
-        experts = {"experts_fc1": (h, z["f1"]), "experts_fc2": (z["f"], h)}
-    else:
-        weights.update(fc1=(h, z["f1"] // tp), fc2=(z["f"] // tp, h))
-
-    def clash(what):
-        return EmulationError(
-            f"--compute paced:...: {what}; megatron's GEMMs cannot be told apart: choose "
-            f"another --seq-length / --micro-batch-size (or a model whose hidden, QKV and "
-            f"FFN widths differ)")
-
-    def keyed(ws):
-        names = {}
-        for op, (i, o) in ws.items():
-            if T in (i, o):
-                raise clash(f"the {op} weight ({i} x {o}) is as wide as the {T} tokens")
-            for key, name in ((("x", i, o), op), (("x", o, i), f"{op}_dgrad"),
-                              (("w", o, i), f"{op}_wgrad")):
-                other = names.get(key)
-                if other is not None and abs(seconds[other] - seconds[name]) > \
-                        1e-9 * max(seconds[name], 1e-30):
-                    raise clash(f"{other} and {name} have one shape {key[1:]}")
-                names.setdefault(key, name)
-        return names
-    names, by_expert = keyed(weights), keyed(experts)
-    others = {"the router": small.num_experts or 0, "the output layer": small.vocab_size // tp}
-    for key, name in by_expert.items():
-        if key in names:
-            raise clash(f"{names[key]} and {name} have one shape {key[1:]}")
-        for what, n in others.items():
-            if n and n in key[1:] and h in key[1:]:
-                raise clash(f"{name} has the shape of {what}'s GEMM {key[1:]}")
-    return names, {T}, by_expert, _routed_rows(small, tp, sp, seq, mbs, cp)
-
-
-def _install_gemm_hook(gp: GemmPacer) -> None:
-    """Wrap the CPU kernels of the GEMM ops once per process (`contention.py`'s hook)."""
-    if "gemm_lib" in _ACTIVE:
-        _ACTIVE["gemm"] = gp
-        return
-    import warnings
-    from dhelix.links.contention import gemm_overloads, installed
-    if installed():
-        raise EmulationError("--compute paced:... and the paced link's slow=X both hook the "
-                             "GEMMs: drop slow= (the cluster file's comm_compute_slowdown "
-                             "stretches paced compute)")
-    lib = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")       # "Overriding a previously registered kernel"
-        for op in gemm_overloads():
-            kernel = torch.library.get_kernel(op, "CPU")
-            base = op._schema.name.split("::", 1)[1]
-
-            def impl(keyset, *args, _kernel=kernel, _base=base, **kwargs):
-                g = _ACTIVE.get("gemm")
-                if g is None:
-                    return _kernel.call_boxed(keyset, *args, **kwargs)
-                return g.call(_base, _kernel.call_boxed, keyset, *args, **kwargs)
-            lib.impl(base + ("" if op._overloadname == "default" else
-                             f".{op._overloadname}"), impl, "CPU", with_keyset=True)
-    _ACTIVE["gemm_lib"] = lib
-    _ACTIVE["gemm"] = gp
-    from dhelix.models import ring_attention
-    ring_attention.STEP = paced_op          # the ring's steps, paced as DHelix's attn ops
-
-
 def active() -> Optional[Pacer]:
     return _ACTIVE.get("pacer")
 
@@ -325,12 +183,15 @@ def nic_shares(cluster: dict, groups: Dict[str, object]) -> Dict[int, float]:
 def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int = 1,
             ep: int = 1, seq_length: int, micro_batch_size: int, bf16: bool = False,
             groups: Dict[str, object], gemms: bool = False,
-            grads: Optional[Dict[str, float]] = None) -> Pacer:
+            grads: Optional[Dict[str, float]] = None,
+            head: Optional[tuple] = None) -> Pacer:
     """Pace this rank: `small` is the running model's config and `live` its layer's ops
     at `seq_length` × `micro_batch_size`, `groups` the process groups by name ("tp",
     "cp", "ep", "dp", "edp", "pp"), `grads` the DP groups' byte ratios (`grad_scales`;
     default: one layer's). Needs the paced link (it prices the collectives); sets its
-    rates to the cluster's, slowed by the factor."""
+    rates to the cluster's, slowed by the factor. `gemms`: megatron's layers run here,
+    paced GEMM by GEMM; `head`: this rank's output-layer weight (hidden, vocabulary
+    shard), paced on both paths (`emulate_gemms.py`)."""
     from dhelix.links.paced import active as active_link
     from dhelix.strand import executor
     link = active_link()
@@ -383,14 +244,21 @@ def install(emu: Emulation, small, live: LayerOps, *, tp: int, sp: bool, cp: int
                       float(cluster[k].get("efficiency", 1.0)) / f,
                       float(cluster[k].get("latency_us", 0.0)) * 1e-6 * f)
                   for k in ("intra_node", "inter_node")}
+    from dhelix.train.emulate_gemms import _routed_rows
     pacer = Pacer(seconds, link, float(cluster.get("comm_compute_slowdown", 0.0)),
                   emulated=emulated, table=table,
                   routed=_routed_rows(small, tp, sp, seq_length, micro_batch_size, cp))
     executor.PACE = pacer
     _ACTIVE["pacer"] = pacer
-    if gemms:                      # megatron's own layers in this run: pace their GEMMs
-        _install_gemm_hook(GemmPacer(pacer, *_gemm_names(small, tp, sp, seq_length,
-                                                         micro_batch_size, cp, seconds)))
+    if head is not None:           # the output layer's GEMMs at the emulated vocabulary
+        from dhelix.train.emulate_gemms import head_seconds
+        t = head_seconds(big, cluster, s // cp * b, tp) * f
+        seconds.update(head=t, head_dgrad=t, head_wgrad=t)
+    if gemms or head is not None:  # megatron's own layers (and the head): by their GEMMs
+        from dhelix.train.emulate_gemms import GemmPacer, _gemm_names, _install_gemm_hook
+        _install_gemm_hook(GemmPacer(pacer, *_gemm_names(
+            small, tp, sp, seq_length, micro_batch_size, cp, seconds, head=head,
+            layers=gemms)))
     return pacer
 
 
@@ -402,6 +270,7 @@ def install_for_run(cfg, m, layout, chunks) -> Pacer:
     from megatron.core import parallel_state as ps
     from dhelix.models.config import load_model_config
     from dhelix.strand.layer import DHelixLayer
+    from dhelix.train.emulate_gemms import output_weight_shape
     emu = parse(cfg.compute, cfg.emulate)
     layers = [mod for c in chunks for mod in c.modules() if isinstance(mod, DHelixLayer)]
     if layers:
@@ -422,7 +291,8 @@ def install_for_run(cfg, m, layout, chunks) -> Pacer:
                    micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, groups=groups,
                    gemms=not layers,
                    grads=grad_scales(m, load_model_config(emu.model), chunks, layout.tp,
-                                     layout.ep))
+                                     layout.ep),
+                   head=output_weight_shape(chunks))
 
 
 def plan_maker(pacer: Pacer, path: Optional[str] = None):
