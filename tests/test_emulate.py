@@ -16,6 +16,9 @@ test (no timing thresholds in tests): `scripts/emulate_layer_step.py` (one layer
 `scripts/emulate_pipelines.py` (1F1B, interleaved, the fold) print it; docs/links.md has the
 numbers.
 """
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -399,6 +402,28 @@ def test_published_table_keeps_the_rows_it_does_not_redo(tmp_path):
     assert [r["row"] for r in _in_table_order(kept + [{"row": "llama-8b"}])] == \
         ["llama-8b", "gpt-18b"]
     assert _kept(str(tmp_path / "none"), set()) == []
+
+
+def test_published_simulate_predicts_rows_without_running_them(tmp_path):
+    """`dhelix published --simulate`: each row as it would run, predicted in seconds —
+    megatron's better schedule against DHelix's, the layers alone, the head and the DP
+    traffic each leaves exposed (equal in both: the same buckets behind the same alone
+    micro-batches); a row that does not fit is listed, not simulated."""
+    import json
+    r = subprocess.run([sys.executable, "-m", "dhelix.cli", "published", "--simulate",
+                        "--rows", "gpt-6.7b,llama-66b-32k", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads((tmp_path / "simulated.json").read_text())
+    assert d["not_simulated"] == ["llama-66b-32k"] and len(d["rows"]) == 1
+    row = d["rows"][0]
+    assert row["ranks"] == 16 and row["run_dp"] == 4 and row["megatron_method"] == "megatron"
+    meg, dh = row["dp_exposed_ms"]
+    assert meg == pytest.approx(dh) and dh > 0 and row["head_ms"] > 0
+    # the same DP traffic and head on both sides dilute the layers' gain
+    assert 1.0 < row["speedup"] < row["layers_speedup"]
+    assert row["megatron_ms"] / row["dhelix_ms"] == pytest.approx(row["speedup"])
+    assert "| gpt-6.7b (a40) |" in (tmp_path / "simulated.md").read_text()
 
 
 @pytest.mark.timeout(600)

@@ -81,6 +81,7 @@ class TableOptions:
     microbatches: int = MICROBATCHES
     seq_length: int = 64          # the small model's own sequence
     out: str = "published"        # directory: table.md, table.json, table.png, rows/
+    simulate: bool = False        # the simulator's table only (simulated.md), no runs
 
 
 class TableError(ValueError):
@@ -212,6 +213,8 @@ def plot(done: List[dict], path: str) -> None:
 
 def run_table(o: TableOptions) -> int:
     from dhelix.bench.run import run_bench
+    if o.simulate:
+        return simulate_table(o)
     rows = select(o.rows)
     os.makedirs(os.path.join(o.out, "rows"), exist_ok=True)
     ran, skipped, rc_all = [], [], 0
@@ -243,6 +246,62 @@ def run_table(o: TableOptions) -> int:
     print(markdown(done, skipped))
     print(f"dhelix published: wrote {o.out}/table.md, table.json, table.png")
     return rc_all
+
+
+def simulated(row: Row, o: TableOptions, work: str) -> dict:
+    """What the simulators predict for a row as `run_table` would run it (no ranks): each
+    schedule's step and its parts (`bench.emulated.predictions`), megatron's better one
+    against DHelix's."""
+    from dhelix.bench.emulated import predictions
+    from dhelix.train.emulate import parse
+    b = bench_options(row, o, work)
+    pred = predictions(b, b.configs, parse(b.compute, b.emulate))
+    meg = min((m for m in pred if m.startswith("megatron")), key=lambda m: pred[m]["step_s"])
+    dh = "dhelix-fold" if row.pp > 1 else "dhelix-plan"
+    ms = lambda m, k: pred[m][k] * 1e3  # noqa: E731
+    return {"row": row.key, "cluster": row.cluster, "published": row.layout(),
+            "seq": row.seq, "ranks": b.nproc, "run_dp": b.nproc // row.model_ranks,
+            "megatron_method": meg, "megatron_ms": ms(meg, "step_s"),
+            "dhelix_ms": ms(dh, "step_s"), "speedup": pred[meg]["step_s"] / pred[dh]["step_s"],
+            "layers_ms": (ms(meg, "layers_s"), ms(dh, "layers_s")),
+            "layers_speedup": pred[meg]["layers_s"] / pred[dh]["layers_s"],
+            "head_ms": ms(dh, "head_s"),
+            "dp_exposed_ms": (ms(meg, "reduce_s") + ms(meg, "gather_s"),
+                              ms(dh, "reduce_s") + ms(dh, "gather_s"))}
+
+
+def simulate_table(o: TableOptions) -> int:
+    """`--simulate`: every selected row's prediction in seconds, as simulated.md/.json."""
+    rows = select(o.rows)
+    work = os.path.join(o.out, "rows")
+    os.makedirs(work, exist_ok=True)
+    out, skipped = [], []
+    for row in rows:
+        if run_dp(row, o.max_ranks) is None:
+            skipped.append(row.key)
+            continue
+        out.append(simulated(row, o, work))
+        print(f"dhelix published: simulated {row.key}", file=sys.stderr)
+    lines = ["| row | published layout (seq) | ran as: ranks, DP | megatron (best) ms | "
+             "DHelix ms | DHelix vs megatron | layers only | head ms | DP traffic exposed "
+             "ms (megatron / DHelix) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in out:
+        lines.append(
+            f"| {r['row']} ({r['cluster']}) | {r['published']} ({r['seq']}) | {r['ranks']}, "
+            f"DP{r['run_dp']} | {r['megatron_ms']:.0f} ({r['megatron_method']}) | "
+            f"{r['dhelix_ms']:.0f} | {r['speedup']:.2f}x | {r['layers_speedup']:.2f}x | "
+            f"{r['head_ms']:.0f} | {r['dp_exposed_ms'][0]:.0f} / "
+            f"{r['dp_exposed_ms'][1]:.0f} |")
+    lines += [f"\nnot simulated (does not fit --max-ranks {o.max_ranks}): {k}"
+              for k in skipped]
+    md = "\n".join(lines)
+    with open(os.path.join(o.out, "simulated.md"), "w") as f:
+        f.write(md + "\n")
+    with open(os.path.join(o.out, "simulated.json"), "w") as f:
+        json.dump({"options": asdict(o), "rows": out, "not_simulated": skipped}, f, indent=1)
+    print(md)
+    print(f"dhelix published: wrote {o.out}/simulated.md, simulated.json")
+    return 0
 
 
 def _kept(out: str, rerun) -> List[dict]:

@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
                                                 "table.png, rows/; the rows of an earlier "
                                                 "table there that --rows does not redo are "
                                                 "kept (default: %(default)s)")
+    p.add_argument("--simulate", action="store_true",
+                   help="no runs: the simulators' table for the rows as they would run "
+                        "(simulated.md, simulated.json in --out), in seconds")
     p.set_defaults(func=run)
 
 
