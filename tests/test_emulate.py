@@ -426,6 +426,34 @@ def test_published_simulate_predicts_rows_without_running_them(tmp_path):
     assert "| gpt-6.7b (a40) |" in (tmp_path / "simulated.md").read_text()
 
 
+def test_best_rows_run_each_side_at_the_layout_advise_picks(tmp_path):
+    """A best row (`bench/best.py`): `dhelix advise` picks megatron's and DHelix's best
+    layouts for the row's GPUs, sequence and global batch; each side runs at its own
+    layout and schedule (advise's micro-batches, its micro-batch size and DP in the
+    emulated shape), both training the row's global batch; the simulator's step of each
+    side gives the row's prediction; `--rows best` names every best row."""
+    from dhelix.bench.best import BEST, METHODS, BestRow, advised, side, simulate
+    from dhelix.bench.published import TableOptions, select
+    row = BestRow("tiny-best", "tiny-llama-emu", cluster="a40", seq=256, global_batch=16,
+                  gpus=8)
+    o = TableOptions(max_ranks=8)
+    los = advised(row, str(tmp_path))
+    assert set(los) == {"megatron", "dhelix"}
+    for who, lo in los.items():
+        assert METHODS[lo["schedule"]].startswith(who)
+        assert lo["dp"] * lo["mbs"] * lo["microbatches"] == row.global_batch
+        b = side(row, lo, o, str(tmp_path), who)
+        assert b.methods == METHODS[lo["schedule"]] and b.num_microbatches == lo["microbatches"]
+        assert b.emulate == f"tiny-llama-emu,seq=256,mbs={lo['mbs']},dp={lo['dp']}"
+        assert b.nproc <= 8 and b.distributed_optimizer
+        assert (b.tensor_model_parallel_size, b.pipeline_model_parallel_size) == \
+            (lo["tp"], lo["pp"])
+    p = simulate(row, o, str(tmp_path))
+    assert p["speedup"] == pytest.approx(p["megatron_ms"] / p["dhelix_ms"])
+    assert p["megatron_layout"].endswith(los["megatron"]["schedule"])
+    assert [r.key for r in select("best")] == [r.key for r in BEST]
+
+
 @pytest.mark.timeout(600)
 def test_published_row_end_to_end(tmp_path):
     """`dhelix published` runs one row end to end at a tiny factor (the table's machinery,

@@ -88,16 +88,20 @@ class TableError(ValueError):
     """Rows or options that cannot run; names the fix."""
 
 
-def select(text: str) -> List[Row]:
+def select(text: str) -> list:
+    """The rows `--rows` names: published rows (`Row`) and best-layout rows
+    (`bench.best.BestRow`, "MODEL-best", or "best" for all of them); "" = the published."""
+    from dhelix.bench.best import BEST
     if not text:
         return list(ROWS)
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    by = {r.key: r for r in ROWS}
+    by = {r.key: r for r in ROWS + BEST}
+    keys = [x for k in keys for x in ([b.key for b in BEST] if k == "best" else [k])]
     bad = [k for k in keys if k not in by]
     if bad:
         raise TableError(f"--rows: unknown row(s) {', '.join(bad)}; the rows are "
-                         f"{', '.join(by)}")
-    return [by[k] for k in keys]
+                         f"{', '.join(by)}, and best (every MODEL-best)")
+    return [by[k] for k in dict.fromkeys(keys)]
 
 
 def run_dp(row: Row, max_ranks: int) -> Optional[int]:
@@ -215,12 +219,23 @@ def run_table(o: TableOptions) -> int:
     from dhelix.bench.run import run_bench
     if o.simulate:
         return simulate_table(o)
+    from dhelix.bench import best
     rows = select(o.rows)
     os.makedirs(os.path.join(o.out, "rows"), exist_ok=True)
-    ran, skipped, rc_all = [], [], 0
+    ran, bests, skipped, rc_all = [], [], [], 0
     kept = _kept(o.out, {r.key for r in rows})
     done = _in_table_order(kept)
     for k, row in enumerate(rows):
+        if isinstance(row, best.BestRow):
+            r = best.run(row, o, os.path.join(o.out, "rows"))
+            if r is None:
+                skipped.append(f"{row.key}: a side's layout does not fit --max-ranks "
+                               f"{o.max_ranks}")
+            else:
+                print(best.markdown([r]))
+                bests.append(r)
+            _write(o, done, skipped, bests)
+            continue
         d = run_dp(row, o.max_ranks)
         if d is None:
             skipped.append(f"{row.key} ({row.layout()}): {row.model_ranks} ranks at DP 1, "
@@ -242,7 +257,7 @@ def run_table(o: TableOptions) -> int:
         ran.append(summarize(row, o, bench_rows, rc, time.time() - t0))
         rc_all = rc_all or rc
         done = _in_table_order(kept + ran)
-        _write(o, done, skipped)          # after every row: a stopped table keeps its rows
+        _write(o, done, skipped, bests)   # after every row: a stopped table keeps its rows
     print(markdown(done, skipped))
     print(f"dhelix published: wrote {o.out}/table.md, table.json, table.png")
     return rc_all
@@ -272,11 +287,16 @@ def simulated(row: Row, o: TableOptions, work: str) -> dict:
 
 def simulate_table(o: TableOptions) -> int:
     """`--simulate`: every selected row's prediction in seconds, as simulated.md/.json."""
+    from dhelix.bench import best
     rows = select(o.rows)
     work = os.path.join(o.out, "rows")
     os.makedirs(work, exist_ok=True)
-    out, skipped = [], []
+    out, skipped, bests = [], [], []
     for row in rows:
+        if isinstance(row, best.BestRow):
+            bests.append(best.simulate(row, o, work))
+            print(f"dhelix published: simulated {row.key}", file=sys.stderr)
+            continue
         if run_dp(row, o.max_ranks) is None:
             skipped.append(row.key)
             continue
@@ -294,11 +314,15 @@ def simulate_table(o: TableOptions) -> int:
             f"{r['dp_exposed_ms'][1]:.0f} |")
     lines += [f"\nnot simulated (does not fit --max-ranks {o.max_ranks}): {k}"
               for k in skipped]
+    if bests:
+        lines += ["", "Megatron's best layout against DHelix's best (`dhelix advise`), "
+                  "simulated:", "", best.markdown(bests)]
     md = "\n".join(lines)
     with open(os.path.join(o.out, "simulated.md"), "w") as f:
         f.write(md + "\n")
     with open(os.path.join(o.out, "simulated.json"), "w") as f:
-        json.dump({"options": asdict(o), "rows": out, "not_simulated": skipped}, f, indent=1)
+        json.dump({"options": asdict(o), "rows": out, "best": bests,
+                   "not_simulated": skipped}, f, indent=1)
     print(md)
     print(f"dhelix published: wrote {o.out}/simulated.md, simulated.json")
     return 0
@@ -324,11 +348,17 @@ def _layers(row: Row) -> int:
     return load_model_config(row.model).num_layers
 
 
-def _write(o: TableOptions, done: List[dict], skipped: List[str]) -> None:
+def _write(o: TableOptions, done: List[dict], skipped: List[str],
+           bests: List[dict]) -> None:
+    from dhelix.bench.best import markdown as best_markdown
     with open(os.path.join(o.out, "table.md"), "w") as f:
         f.write(markdown(done, skipped) + "\n")
+        if bests:
+            f.write("\nMegatron's best layout against DHelix's best (`dhelix advise`):\n\n"
+                    + best_markdown(bests) + "\n")
     with open(os.path.join(o.out, "table.json"), "w") as f:
-        json.dump({"options": asdict(o), "rows": done, "not_run": skipped}, f, indent=1)
+        json.dump({"options": asdict(o), "rows": done, "best": bests, "not_run": skipped},
+                  f, indent=1)
     if done:
         plot(done, os.path.join(o.out, "table.png"))
 

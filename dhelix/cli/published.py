@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from dhelix.bench.best import BEST
 from dhelix.bench.published import ROWS, TableOptions
 from dhelix.cli.common import options
 
@@ -15,7 +16,10 @@ def add_parser(sub) -> None:
                                          "2411.15871) at an emulated cluster's time: "
                                          "megatron at its best vs DHelix")
     p.add_argument("--rows", default=D.rows, metavar="ROW[,ROW...]",
-                   help="rows to run (default: all): " + ", ".join(r.key for r in ROWS))
+                   help="rows to run (default: every published row): " +
+                        ", ".join(r.key for r in ROWS) + "; and megatron's best layout "
+                        "against DHelix's, as dhelix advise picks them: " +
+                        ", ".join(r.key for r in BEST) + " (best: all three)")
     p.add_argument("--factor", type=float, default=D.factor, metavar="X",
                    help="the ranks run X times slower than the cluster (paced:CLUSTER,x=X; "
                         "default: %(default)s)")
