@@ -330,7 +330,8 @@ def test_published_rows_fit_and_price_the_published_dp():
     cut run as a group of the published D, on the link the run's group spans."""
     from types import SimpleNamespace
     from dhelix.bench import emulated
-    from dhelix.bench.published import ROWS, TableError, run_dp, select
+    from dhelix.bench.published import ROWS, TableError, run_dp
+    from dhelix.bench.table import select
     from dhelix.models.config import load_model_config
     from dhelix.train.emulate import _cluster, parse
     fits = {r.key: run_dp(r, 32) for r in ROWS}
@@ -394,7 +395,7 @@ def test_published_table_keeps_the_rows_it_does_not_redo(tmp_path):
     """A table built over several runs: the rows of an earlier table.json in --out that
     this run does not redo are kept, in the table's order."""
     import json
-    from dhelix.bench.published import _in_table_order, _kept
+    from dhelix.bench.table import _in_table_order, _kept
     rows = [{"row": "gpt-18b", "speedup": 1.3}, {"row": "llama-8b", "speedup": 1.2}]
     (tmp_path / "table.json").write_text(json.dumps({"rows": rows}))
     kept = _kept(str(tmp_path), {"llama-8b"})
@@ -433,7 +434,8 @@ def test_best_rows_run_each_side_at_the_layout_advise_picks(tmp_path):
     emulated shape), both training the row's global batch; the simulator's step of each
     side gives the row's prediction; `--rows best` names every best row."""
     from dhelix.bench.best import BEST, METHODS, BestRow, advised, side, simulate
-    from dhelix.bench.published import TableOptions, select
+    from dhelix.bench.published import TableOptions
+    from dhelix.bench.table import select
     row = BestRow("tiny-best", "tiny-llama-emu", cluster="a40", seq=256, global_batch=16,
                   gpus=8)
     o = TableOptions(max_ranks=8)

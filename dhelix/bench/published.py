@@ -10,15 +10,12 @@ distributed optimizer with overlapped gradient reduce and parameter gather. Mega
 1F1B and interleaved with PP (the better counts), DHelix the planner's plan (the fold with
 PP). The rows' numbers are emulated time (`train/emulate.py`): the ranks wait out each
 op's time on the cluster model; what is not paced runs at the small model's speed. The
-rows of an earlier table in the output directory that a run does not redo are kept.
+command that runs rows and writes the table: `bench/table.py`.
 """
 from __future__ import annotations
 
-import json
 import os
-import sys
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import List, Optional
 
 MICROBATCHES = 8            # per DP rank, mbs 1: the stated choice where the paper's is unknown
@@ -86,22 +83,6 @@ class TableOptions:
 
 class TableError(ValueError):
     """Rows or options that cannot run; names the fix."""
-
-
-def select(text: str) -> list:
-    """The rows `--rows` names: published rows (`Row`) and best-layout rows
-    (`bench.best.BestRow`, "MODEL-best", or "best" for all of them); "" = the published."""
-    from dhelix.bench.best import BEST
-    if not text:
-        return list(ROWS)
-    keys = [k.strip() for k in text.split(",") if k.strip()]
-    by = {r.key: r for r in ROWS + BEST}
-    keys = [x for k in keys for x in ([b.key for b in BEST] if k == "best" else [k])]
-    bad = [k for k in keys if k not in by]
-    if bad:
-        raise TableError(f"--rows: unknown row(s) {', '.join(bad)}; the rows are "
-                         f"{', '.join(by)}, and best (every MODEL-best)")
-    return [by[k] for k in dict.fromkeys(keys)]
 
 
 def run_dp(row: Row, max_ranks: int) -> Optional[int]:
@@ -215,54 +196,6 @@ def plot(done: List[dict], path: str) -> None:
     plt.close(fig)
 
 
-def run_table(o: TableOptions) -> int:
-    from dhelix.bench.run import run_bench
-    if o.simulate:
-        return simulate_table(o)
-    from dhelix.bench import best
-    rows = select(o.rows)
-    os.makedirs(os.path.join(o.out, "rows"), exist_ok=True)
-    ran, bests, skipped, rc_all = [], [], [], 0
-    kept = _kept(o.out, {r.key for r in rows})
-    done = _in_table_order(kept)
-    for k, row in enumerate(rows):
-        if isinstance(row, best.BestRow):
-            r = best.run(row, o, os.path.join(o.out, "rows"))
-            if r is None:
-                skipped.append(f"{row.key}: a side's layout does not fit --max-ranks "
-                               f"{o.max_ranks}")
-            else:
-                print(best.markdown([r]))
-                bests.append(r)
-            _write(o, done, skipped, bests)
-            continue
-        d = run_dp(row, o.max_ranks)
-        if d is None:
-            skipped.append(f"{row.key} ({row.layout()}): {row.model_ranks} ranks at DP 1, "
-                           f"more than --max-ranks {o.max_ranks}")
-            print(f"dhelix published: [{k + 1}/{len(rows)}] {row.key}: skipped, "
-                  f"{skipped[-1]}", file=sys.stderr)
-            continue
-        print(f"dhelix published: [{k + 1}/{len(rows)}] {row.key}: {row.layout()} as "
-              f"{row.model_ranks * d} ranks (DP {d})", file=sys.stderr)
-        b = bench_options(row, o, os.path.join(o.out, "rows"))
-        t0 = time.time()
-        rc = run_bench(b)
-        if rc not in (0, 1):
-            return rc
-        with open(b.out + ".json") as f:
-            bench_rows = json.load(f)["rows"]
-        for r in bench_rows:
-            r["config_layers"] = o.num_layers or _layers(row)
-        ran.append(summarize(row, o, bench_rows, rc, time.time() - t0))
-        rc_all = rc_all or rc
-        done = _in_table_order(kept + ran)
-        _write(o, done, skipped, bests)   # after every row: a stopped table keeps its rows
-    print(markdown(done, skipped))
-    print(f"dhelix published: wrote {o.out}/table.md, table.json, table.png")
-    return rc_all
-
-
 def simulated(row: Row, o: TableOptions, work: str) -> dict:
     """What the simulators predict for a row as `run_table` would run it (no ranks): each
     schedule's step and its parts (`bench.emulated.predictions`), megatron's better one
@@ -285,80 +218,6 @@ def simulated(row: Row, o: TableOptions, work: str) -> dict:
                               ms(dh, "reduce_s") + ms(dh, "gather_s"))}
 
 
-def simulate_table(o: TableOptions) -> int:
-    """`--simulate`: every selected row's prediction in seconds, as simulated.md/.json."""
-    from dhelix.bench import best
-    rows = select(o.rows)
-    work = os.path.join(o.out, "rows")
-    os.makedirs(work, exist_ok=True)
-    out, skipped, bests = [], [], []
-    for row in rows:
-        if isinstance(row, best.BestRow):
-            bests.append(best.simulate(row, o, work))
-            print(f"dhelix published: simulated {row.key}", file=sys.stderr)
-            continue
-        if run_dp(row, o.max_ranks) is None:
-            skipped.append(row.key)
-            continue
-        out.append(simulated(row, o, work))
-        print(f"dhelix published: simulated {row.key}", file=sys.stderr)
-    lines = ["| row | published layout (seq) | ran as: ranks, DP | megatron (best) ms | "
-             "DHelix ms | DHelix vs megatron | layers only | head ms | DP traffic exposed "
-             "ms (megatron / DHelix) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in out:
-        lines.append(
-            f"| {r['row']} ({r['cluster']}) | {r['published']} ({r['seq']}) | {r['ranks']}, "
-            f"DP{r['run_dp']} | {r['megatron_ms']:.0f} ({r['megatron_method']}) | "
-            f"{r['dhelix_ms']:.0f} | {r['speedup']:.2f}x | {r['layers_speedup']:.2f}x | "
-            f"{r['head_ms']:.0f} | {r['dp_exposed_ms'][0]:.0f} / "
-            f"{r['dp_exposed_ms'][1]:.0f} |")
-    lines += [f"\nnot simulated (does not fit --max-ranks {o.max_ranks}): {k}"
-              for k in skipped]
-    if bests:
-        lines += ["", "Megatron's best layout against DHelix's best (`dhelix advise`), "
-                  "simulated:", "", best.markdown(bests)]
-    md = "\n".join(lines)
-    with open(os.path.join(o.out, "simulated.md"), "w") as f:
-        f.write(md + "\n")
-    with open(os.path.join(o.out, "simulated.json"), "w") as f:
-        json.dump({"options": asdict(o), "rows": out, "best": bests,
-                   "not_simulated": skipped}, f, indent=1)
-    print(md)
-    print(f"dhelix published: wrote {o.out}/simulated.md, simulated.json")
-    return 0
-
-
-def _kept(out: str, rerun) -> List[dict]:
-    """The rows of an earlier table in `out` that this run does not redo: a table built
-    over several runs (`--rows` a few at a time) keeps them."""
-    path = os.path.join(out, "table.json")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [r for r in json.load(f).get("rows", []) if r.get("row") not in rerun]
-
-
-def _in_table_order(done: List[dict]) -> List[dict]:
-    order = {r.key: i for i, r in enumerate(ROWS)}
-    return sorted(done, key=lambda r: order.get(r["row"], len(order)))
-
-
 def _layers(row: Row) -> int:
     from dhelix.models.config import load_model_config
     return load_model_config(row.model).num_layers
-
-
-def _write(o: TableOptions, done: List[dict], skipped: List[str],
-           bests: List[dict]) -> None:
-    from dhelix.bench.best import markdown as best_markdown
-    with open(os.path.join(o.out, "table.md"), "w") as f:
-        f.write(markdown(done, skipped) + "\n")
-        if bests:
-            f.write("\nMegatron's best layout against DHelix's best (`dhelix advise`):\n\n"
-                    + best_markdown(bests) + "\n")
-    with open(os.path.join(o.out, "table.json"), "w") as f:
-        json.dump({"options": asdict(o), "rows": done, "best": bests, "not_run": skipped},
-                  f, indent=1)
-    if done:
-        plot(done, os.path.join(o.out, "table.png"))
-

@@ -1,5 +1,5 @@
 """`dhelix published`: the published evaluation's table at emulated time
-(dhelix/bench/published.py)."""
+(dhelix/bench/table.py: the rows of bench/published.py and bench/best.py)."""
 from __future__ import annotations
 
 import sys
@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from dhelix.bench.published import TableError, run_table
+    from dhelix.bench.published import TableError
+    from dhelix.bench.table import run_table
     try:
         return run_table(options(TableOptions, a))
     except TableError as e:

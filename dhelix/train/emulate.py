@@ -32,15 +32,14 @@ at the layers' ratios (parameters, activations).
 """
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
 
 from dhelix.models.params import grad_scales
+from dhelix.train.emulate_gemms import _ACTIVE, _LOCAL, paced_op  # noqa: F401
 from dhelix.train.emulation_flags import (Emulation, EmulationError, _cluster,  # noqa: F401
                                           parse)
 from dhelix.planner.opspec import COMM, LayerOps
@@ -112,30 +111,6 @@ class Pacer:
     def own_share(self) -> float:
         """The small ops' own time over their emulated time (valid while small)."""
         return self.own_s / self.paced_s if self.paced_s else 0.0
-
-
-_ACTIVE: Dict[str, Pacer] = {}
-_LOCAL = threading.local()          # .in_op: a DHelix op is running (paced as a whole)
-
-
-@contextmanager
-def paced_op(name: str):
-    """A piece of megatron's layer that DHelix runs as the op `name` — the ring attention's
-    steps (`models/ring_attention.py`), whose own kernels are not GEMMs `GemmPacer` can
-    name: paced as that op, when megatron's layers are paced (a no-op otherwise, and
-    inside a DHelix op, which is paced as a whole). Its kernels are not named meanwhile."""
-    g = _ACTIVE.get("gemm")
-    if g is None or getattr(_LOCAL, "in_op", False):
-        yield
-        return
-    t0 = time.perf_counter()
-    _LOCAL.in_op = True
-    try:
-        yield
-    finally:
-        _LOCAL.in_op = False
-    g.pacer.after(name, t0)
-
 
 def active() -> Optional[Pacer]:
     return _ACTIVE.get("pacer")

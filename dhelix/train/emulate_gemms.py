@@ -8,13 +8,37 @@ schedules, so both wait out the emulated vocabulary's GEMMs (`head_seconds`).
 """
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 from typing import Dict, Optional
 
 import torch
 
-from dhelix.train.emulate import (_ACTIVE, _LOCAL, EmulationError, Pacer,  # noqa: F401
-                                  paced_op)
+from dhelix.train.emulation_flags import EmulationError
+
+# the active pacer and GEMM pacer: one registry (emulate.py shares it and `_LOCAL`)
+_ACTIVE: Dict[str, object] = {}   # "pacer" (emulate.Pacer), "gemm", "gemm_lib"
+_LOCAL = threading.local()          # .in_op: a DHelix op is running (paced as a whole)
+
+
+@contextmanager
+def paced_op(name: str):
+    """A piece of megatron's layer that DHelix runs as the op `name` — the ring attention's
+    steps (`models/ring_attention.py`), whose own kernels are not GEMMs `GemmPacer` can
+    name: paced as that op, when megatron's layers are paced (a no-op otherwise, and
+    inside a DHelix op, which is paced as a whole). Its kernels are not named meanwhile."""
+    g = _ACTIVE.get("gemm")
+    if g is None or getattr(_LOCAL, "in_op", False):
+        yield
+        return
+    t0 = time.perf_counter()
+    _LOCAL.in_op = True
+    try:
+        yield
+    finally:
+        _LOCAL.in_op = False
+    g.pacer.after(name, t0)
 
 
 def head_seconds(big, cluster: dict, tokens: int, tp: int) -> float:
@@ -55,7 +79,7 @@ class GemmPacer:
     "head_wgrad" when given (on both paths); other GEMMs (the router's) and elementwise
     ops run at their own speed, as on the DHelix path."""
 
-    def __init__(self, pacer: Pacer, names: Dict[tuple, str], tokens: set,
+    def __init__(self, pacer, names: Dict[tuple, str], tokens: set,
                  experts: Optional[Dict[tuple, str]] = None, routed: int = 0):
         self.pacer, self.names, self.tokens = pacer, names, tokens
         self.experts, self.routed = experts or {}, routed
