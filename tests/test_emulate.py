@@ -409,15 +409,16 @@ def test_published_simulate_predicts_rows_without_running_them(tmp_path):
     """`dhelix published --simulate`: each row as it would run, predicted in seconds —
     megatron's better schedule against DHelix's, the layers alone, the head and the DP
     traffic each leaves exposed (equal in both: the same buckets behind the same alone
-    micro-batches); a row that does not fit is listed, not simulated."""
+    micro-batches); a row beyond --max-ranks is simulated at DP 1 and listed."""
     import json
     r = subprocess.run([sys.executable, "-m", "dhelix.cli", "published", "--simulate",
                         "--rows", "gpt-6.7b,llama-66b-32k", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads((tmp_path / "simulated.json").read_text())
-    assert d["not_simulated"] == ["llama-66b-32k"] and len(d["rows"]) == 1
-    row = d["rows"][0]
+    assert d["beyond_max_ranks"] == ["llama-66b-32k"] and len(d["rows"]) == 2
+    row, big = d["rows"]
+    assert big["ranks"] == 64 and big["run_dp"] == 1      # simulated, as many as it takes
     assert row["ranks"] == 16 and row["run_dp"] == 4 and row["megatron_method"] == "megatron"
     meg, dh = row["dp_exposed_ms"]
     assert meg == pytest.approx(dh) and dh > 0 and row["head_ms"] > 0

@@ -5,6 +5,7 @@ table.png (simulated.md, simulated.json). A table grows over several runs: the r
 earlier table.json in the output directory that a run does not redo are kept."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -90,10 +91,11 @@ def simulate_table(o: TableOptions) -> int:
             bests.append(best.simulate(row, o, work))
             print(f"dhelix published: simulated {row.key}", file=sys.stderr)
             continue
-        if run_dp(row, o.max_ranks) is None:
+        ro = o
+        if run_dp(row, o.max_ranks) is None:      # no ranks run: as many as it takes
             skipped.append(row.key)
-            continue
-        out.append(simulated(row, o, work))
+            ro = dataclasses.replace(o, max_ranks=row.model_ranks * row.ep)
+        out.append(simulated(row, ro, work))
         print(f"dhelix published: simulated {row.key}", file=sys.stderr)
     lines = ["| row | published layout (seq) | ran as: ranks, DP | megatron (best) ms | "
              "DHelix ms | DHelix vs megatron | layers only | head ms | DP traffic exposed "
@@ -105,8 +107,9 @@ def simulate_table(o: TableOptions) -> int:
             f"{r['dhelix_ms']:.0f} | {r['speedup']:.2f}x | {r['layers_speedup']:.2f}x | "
             f"{r['head_ms']:.0f} | {r['dp_exposed_ms'][0]:.0f} / "
             f"{r['dp_exposed_ms'][1]:.0f} |")
-    lines += [f"\nnot simulated (does not fit --max-ranks {o.max_ranks}): {k}"
-              for k in skipped]
+    if skipped:
+        lines.append(f"\n{', '.join(skipped)}: more ranks than --max-ranks {o.max_ranks} at "
+                     f"DP 1, so `dhelix published` would not run them; simulated at DP 1")
     if bests:
         lines += ["", "Megatron's best layout against DHelix's best (`dhelix advise`), "
                   "simulated:", "", best.markdown(bests)]
@@ -115,7 +118,7 @@ def simulate_table(o: TableOptions) -> int:
         f.write(md + "\n")
     with open(os.path.join(o.out, "simulated.json"), "w") as f:
         json.dump({"options": asdict(o), "rows": out, "best": bests,
-                   "not_simulated": skipped}, f, indent=1)
+                   "beyond_max_ranks": skipped}, f, indent=1)
     print(md)
     print(f"dhelix published: wrote {o.out}/simulated.md, simulated.json")
     return 0
