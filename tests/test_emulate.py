@@ -252,18 +252,21 @@ def test_gradient_bytes_of_a_stage_are_the_emulated_models():
 
 
 def test_bench_prediction_puts_each_group_on_its_nodes_link():
-    """The prediction's DP reduction: on A40 (8 GPUs a node), TP=2 × PP=2 × DP=4 keeps a
-    stage's DP group in one node (PCIe), TP=2 × DP=8 spans two (InfiniBand); the pipeline
-    rows end with each stage's own reduction; with DP = 1 there is none."""
+    """The prediction's DP traffic (`StageDP`, one bucket per layer, the embedding with the
+    first layer, the output layer and final norm with the last): on A40 (8 GPUs a node,
+    one NIC), TP=2 × PP=2 × DP=4 keeps a stage's DP group in one node (PCIe), TP=2 × DP=8
+    spans two (InfiniBand, the NIC shared by the node's 2 rings); with DP = 1 there is
+    none, and the step is the layers and the head."""
     from types import SimpleNamespace
     from dhelix.bench import emulated
     from dhelix.models.config import load_model_config
+    from dhelix.models.params import param_classes
     from dhelix.planner.costmodel import collective_seconds
-    from dhelix.models.params import stage_grad_bytes
     from dhelix.train.emulate import _cluster, parse
     emu = parse("paced:a40", "llama-8b,seq=4096,mbs=1")
     c = _cluster("a40")
-    small, big = load_model_config("tiny-llama-emu"), load_model_config("llama-8b")
+    big = load_model_config("llama-8b")
+    cl = param_classes(big, 2, 1)
 
     def opts(nproc, pp, tp=2):
         return SimpleNamespace(nproc=nproc, tensor_model_parallel_size=tp,
@@ -271,24 +274,30 @@ def test_bench_prediction_puts_each_group_on_its_nodes_link():
                                expert_model_parallel_size=1, num_microbatches=4,
                                seq_length=64, micro_batch_size=1)
 
-    def ring(lane, n, layers, first, last):
+    def ring(lane, n, params, share=1.0):
         ln = c[f"{lane}_node"]
-        return collective_seconds(
-            "all_reduce", stage_grad_bytes(big, 2, 1, layers, first, last)["dp"], n,
-            ln["bandwidth_GBps"] * 1e9 * ln["efficiency"], ln["latency_us"] * 1e-6)
-    got = emulated.dp_reduce_seconds(opts(16, 2), small, big, c, [4, 4],
-                                     [(True, False), (False, True)])
-    assert got == pytest.approx([ring("intra", 4, 4, True, False),
-                                 ring("intra", 4, 4, False, True)])
-    got = emulated.dp_reduce_seconds(opts(16, 1), small, big, c, [8], [(True, True)])
-    assert got == pytest.approx([ring("inter", 8, 8, True, True)])
+        return collective_seconds("all_reduce", params * 4, n,
+                                  ln["bandwidth_GBps"] * 1e9 * ln["efficiency"] / share,
+                                  ln["latency_us"] * 1e-6)
+    first, last = emulated.stage_dp(opts(16, 2), big, c, [4, 4],
+                                    [(True, False), (False, True)])
+    layer = ring("intra", 4, cl["layer"])
+    assert first.reduce == pytest.approx([layer] * 3 + [ring("intra", 4, cl["layer"] +
+                                                             cl["embedding"])])
+    assert last.reduce == pytest.approx([ring("intra", 4, cl["layer"] + cl["output"] +
+                                              cl["norm"])] + [layer] * 3)
+    (one,) = emulated.stage_dp(opts(16, 1), big, c, [8], [(True, True)])
+    assert one.reduce[3] == pytest.approx(ring("inter", 8, cl["layer"], share=2))
     pred = emulated.predictions(opts(4, 2), "tiny-llama-emu", emu)
     assert set(pred) == {"megatron-1f1b", "megatron-interleaved", "dhelix-fold"}
     for p in pred.values():
-        assert p["reduce_s"] == 0 and p["step_s"] == p["layers_s"] > 0
+        assert p["reduce_s"] == pytest.approx(0, abs=1e-9) and p["gather_s"] == 0
+        assert p["head_s"] > 0
+        assert p["step_s"] == pytest.approx(p["layers_s"] + p["head_s"])
     pred = emulated.predictions(opts(16, 2), "tiny-llama-emu", emu)
     for p in pred.values():
-        assert 0 < p["reduce_s"] and p["step_s"] == pytest.approx(p["layers_s"] + p["reduce_s"])
+        assert 0 < p["reduce_s"] and p["step_s"] == pytest.approx(
+            p["layers_s"] + p["head_s"] + p["reduce_s"] + p["gather_s"])
 
 
 @pytest.mark.timeout(900)
