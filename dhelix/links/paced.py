@@ -175,7 +175,7 @@ class PacedLink:
         self.byte_scale: Dict[object, float] = {}
         self.lanes: Optional[Dict[str, Tuple[float, float]]] = None
         self.group_size: Dict[int, int] = {}    # a group priced as this many ranks
-        # a group crossing nodes: how many rings share each NIC with its (the node's
+        # a group crossing nodes: how many rings share each NIC with it (the node's
         # other ranks run theirs at the same time; `costmodel.nic_share`): its rate / this
         self.share: Dict[int, float] = {}
 
