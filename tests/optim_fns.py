@@ -112,3 +112,22 @@ def train_many(runs):
         kw = dict(kw, quiet=True)
         out.append(train_delayed(**kw) if delayed else train(TrainConfig(**kw)))
     return out
+
+
+def train_counting_ready(**kw):
+    """`train`, counting for each parameter how often megatron DDP is told its gradient
+    is ready (`register_grad_ready` outside no_sync, which readies its bucket): once per
+    step in megatron's own schedule. Returns (train's result, the counts seen)."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    real, counts = _ParamAndGradBucketGroup.register_grad_ready, {}
+
+    def register_grad_ready(group, param, *a, **k):
+        if group.is_last_microbatch:
+            counts[id(param)] = counts.get(id(param), 0) + 1
+        return real(group, param, *a, **k)
+    _ParamAndGradBucketGroup.register_grad_ready = register_grad_ready
+    try:
+        result = train(TrainConfig(**dict(kw, quiet=True)))
+    finally:
+        _ParamAndGradBucketGroup.register_grad_ready = real
+    return result, sorted(set(counts.values()))

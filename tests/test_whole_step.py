@@ -358,6 +358,31 @@ def test_halves_price_the_round_robin_of_two_half_chains():
     assert "two halves" in halved.phases()[2][0]
 
 
+def test_pair_last_prices_two_backwards_round_robin():
+    """`--dhelix-pair-last`: B(N−1) ∥ B(N), two whole backward chains round-robin: a:c1
+    0–1; a:m on the link 1–3 beside b:c1 1–2; b:m waits for the link, 3–5, while a:c2
+    reads a:m, 3–4; b:c2 5–6. So 6.0 s a layer against 2 × 4.0 s alone. The step: F(1)
+    and F(2) alone, N−2 co-steps, the tail; with one micro-batch, nothing to pair."""
+    from dhelix.planner.tiles import tiles_makespan
+    layer, t = _three_op_layer()
+    assert tiles_makespan(layer, t, "bwd", share=1.0) == pytest.approx(6.0)
+    extras = StepExtras(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, num_layers=3)
+    plain = simulate_step(layer, trivial_plan(layer), t, 3, 4, extras)
+    last = simulate_step(layer, trivial_plan(layer), t, 3, 4, extras, pair_last=True)
+    assert (last.forwards_alone, last.backwards_alone, last.co_steps) == (2, 0, 2)
+    assert last.layer_tail_s == pytest.approx(6.0) and last.tail_s == pytest.approx(18.0)
+    assert last.total_s == pytest.approx(plain.total_s + 3 * 2.0 - 3 * plain.layer_pair_s
+                                         + 18.0 - 3 * 4.0)
+    assert last.layers_s == pytest.approx(last.total_s)
+    assert "B(3) ∥ B(4)" in last.phases()[2][0]
+    one = simulate_step(layer, trivial_plan(layer), t, 3, 1, extras, pair_last=True)
+    assert one.total_s == simulate_step(layer, trivial_plan(layer), t, 3, 1, extras).total_s
+    with pytest.raises(ValueError, match="halves"):
+        from dhelix.planner.whole_step import halves_alone
+        simulate_step(layer, trivial_plan(layer), t, 3, 4, extras, pair_last=True,
+                      alone=halves_alone(layer, t))
+
+
 def test_halves_never_beat_the_link_or_the_thread():
     """On random layers and tables, two halves of a chain take at least the chain's whole
     comm time on each lane and its whole compute time (halving moves no work away)."""

@@ -11,7 +11,8 @@ source is the cluster file).
 
 The prediction, from the same table the pacing waits out (`emulate.emulated_layer`):
   * PP = 1: the whole-step simulator (`planner/whole_step.py`) for megatron's order and
-    DHelix's with the trivial and the planned plan, L layers × N micro-batches;
+    DHelix's with the trivial and the planned plan, L layers × N micro-batches, and the
+    planned plan with the paired tail (`dhelix-last`, `--dhelix-pair-last`);
   * PP > 1: the pipeline simulator (`planner/pipeline.py`): 1F1B, interleaved (two chunks
     per stage) and the fold with the planned plan, the P2P message over the slowest stage
     boundary's link;
@@ -170,10 +171,13 @@ def predictions(a, cfg: str, emu) -> Dict[str, dict]:
         for m, w in (("megatron", simulate_megatron_step(ops, table, L, N, none)),
                      ("dhelix-trivial", simulate_step(ops, trivial_plan(ops), table, L, N,
                                                       none)),
-                     ("dhelix-plan", simulate_step(ops, plan, table, L, N, none))):
-            # F(1) and B(N) run alone in both schedules: the gathers throttle the one,
-            # the buckets reduce behind the other
-            red, gat = dp_comm.exposed(w.layer_forward_s, w.layer_backward_s)
+                     ("dhelix-plan", simulate_step(ops, plan, table, L, N, none)),
+                     ("dhelix-last", simulate_step(ops, plan, table, L, N, none,
+                                                   pair_last=True))):
+            # F(1) runs alone in both schedules, its gathers throttle it; the buckets
+            # reduce behind B(N), alone or (`--dhelix-pair-last`) beside B(N−1)
+            red, gat = dp_comm.exposed(w.layer_forward_s, w.layer_tail_s or
+                                       w.layer_backward_s)
             out[m] = {"layers_s": w.total_s, "head_s": head, "reduce_s": red,
                       "gather_s": gat, "step_s": w.total_s + head + red + gat}
         return out

@@ -15,6 +15,9 @@ CHUNKS = "dhelix-chunks"
 # with --dhelix-keep-gathered: the planned run whose layers keep the forward's gathered
 # inputs for the weight gradients (no backward re-gathers), planned from the same table
 KEEP = "dhelix-keep"
+# --dhelix-pair-last (B(N−1) ∥ B(N)): offered with PP, CP and EP 1, run when --methods
+# names it
+LAST = "dhelix-last"
 # MoE: the intra-batch peer splits dense layers only; megatron's own fwd∥bwd overlap for
 # MoE (combined 1F1B, --overlap-moe-expert-parallel-comm) needs CUDA streams and events
 EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
@@ -22,7 +25,7 @@ EP_METHODS = ("megatron", "dhelix-trivial", "dhelix-plan")
 # seed, data and arithmetic, only the order of independent work differs (the intra-batch
 # peer, DHelix's halves and the MLP chunks split a batch's GEMMs, so a weight's gradient
 # adds parts and may round differently)
-EXACT = ("dhelix-trivial", "dhelix-plan", "dhelix-fold", KEEP)
+EXACT = ("dhelix-trivial", "dhelix-plan", "dhelix-fold", KEEP, LAST)
 
 
 def loss_mismatch(method: str, r: dict, base_method: str, base: dict) -> str:

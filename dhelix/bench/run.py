@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Dict, List
 
 from dhelix.bench import emulated, predict, report
-from dhelix.bench.report import CHUNKS, EP_METHODS, KEEP, METHODS, PP_METHODS
+from dhelix.bench.report import CHUNKS, EP_METHODS, KEEP, LAST, METHODS, PP_METHODS
 from dhelix.links import parse_link
 
 
@@ -163,13 +163,15 @@ def _argv(a, cfg, out_json, method, cluster, trace):
     elif method == "dhelix-trivial":
         argv += ["--dhelix", "--dhelix-plan", "trivial"] + \
             (["--dhelix-trace", trace] if a.compute == "none" else [])
-    elif method in ("dhelix-plan", "dhelix-halves", "dhelix-fold", KEEP):
+    elif method in ("dhelix-plan", "dhelix-halves", "dhelix-fold", KEEP, LAST):
         # (paced compute: no cost source, the plan is made for the emulated shape)
         argv += ["--dhelix"] + ([] if not cluster else
                                 ["--dhelix-overlap-table", cluster]
                                 if cluster.endswith(".json") else ["--dhelix-cluster", cluster])
         if method == "dhelix-halves":
             argv += ["--dhelix-halves"]
+        elif method == LAST:
+            argv += ["--dhelix-pair-last"]
         elif method == KEEP:
             keep = a.dhelix_keep_gathered     # True: both parts; else the parts named
             argv += ["--dhelix-keep-gathered"] + ([] if keep is True else [keep])
@@ -310,14 +312,18 @@ def run_bench(a: BenchOptions) -> int:
             return 2
     methods = methods + (CHUNKS,) * chunked + (KEEP,) * bool(a.dhelix_keep_gathered)
     if a.methods:
+        # the paired tail runs only when asked for (PP, CP and EP 1)
+        offered = methods + (LAST,) * (a.pipeline_model_parallel_size == 1 and
+                                       a.expert_model_parallel_size == 1 and
+                                       a.context_parallel_size == 1)
         keep = [m.strip() for m in a.methods.split(",") if m.strip()]
-        unknown = [m for m in keep if m not in methods]
+        unknown = [m for m in keep if m not in offered]
         if unknown or methods[0] not in keep:
             print(f"dhelix bench: error: --methods {a.methods}: this layout's methods are "
-                  f"{', '.join(methods)}, and the first ({methods[0]}, the baseline the "
+                  f"{', '.join(offered)}, and the first ({methods[0]}, the baseline the "
                   f"others are checked against) must be among them", file=sys.stderr)
             return 2
-        methods = tuple(m for m in methods if m in keep)
+        methods = tuple(m for m in offered if m in keep)
     per = len(methods) * a.rounds + profile + chunked
     planned = None
     wrong: List[str] = []          # DHelix runs that did not train as the baseline did

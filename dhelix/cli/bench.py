@@ -74,7 +74,8 @@ def add_parser(sub) -> None:
                         "runs: --configs, default tiny-llama-emu / tiny-moe-emu)")
     p.add_argument("--methods", default=D.methods, metavar="M[,M...]",
                    help="run only these of the layout's methods (the first, the baseline, "
-                        "among them; e.g. megatron,dhelix-plan)")
+                        "among them; e.g. megatron,dhelix-plan); dhelix-last "
+                        "(--dhelix-pair-last) runs only when named here")
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="every method with megatron's distributed optimizer, "
                         "--overlap-grad-reduce and --overlap-param-gather (with DP > 1)")

@@ -79,6 +79,12 @@ def add_dhelix_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "behind the other half's compute (needs an even "
                         "--micro-batch-size; not bit-identical to megatron: a weight's "
                         "gradient adds the halves' parts)")
+    g.add_argument("--dhelix-pair-last", action="store_true",
+                   help="run one micro-batch further ahead so that the last two backwards, "
+                        "B(N-1) and B(N), pair with each other round-robin: twice the "
+                        "compute behind the DP gradient reduction that the last backward "
+                        "starts, for one more micro-batch's activations held and F(2) run "
+                        "alone (needs 2 or more micro-batches; bit-identical to megatron)")
     g.add_argument("--dhelix-mlp-chunks", type=int, default=1, metavar="C",
                    help="run each DHelix layer's MLP forward in C token chunks (C > 1 needs "
                         "TP > 1 with --sequence-parallel and a dense MLP): chunk c's "
@@ -109,7 +115,8 @@ def check_dhelix_args(args) -> None:
                              "give one of them")
     _check_transformer_impl(args)
     if not getattr(args, "dhelix", False):
-        for name in ("dhelix_plan", "dhelix_overlap_table", "dhelix_trace", "dhelix_halves"):
+        for name in ("dhelix_plan", "dhelix_overlap_table", "dhelix_trace", "dhelix_halves",
+                     "dhelix_pair_last"):
             if getattr(args, name, None):
                 raise DHelixArgError(f"--{name.replace('_', '-')} needs --dhelix")
         if (getattr(args, "dhelix_mlp_chunks", 1) or 1) != 1:
@@ -151,6 +158,7 @@ def check_dhelix_args(args) -> None:
         if mbs is not None and mbs % 2:
             raise DHelixArgError(f"--dhelix-halves splits the micro-batch of B(N) "
                                  f"in 2: --micro-batch-size must be even (got {mbs})")
+    _check_pair_last(args, fold)
     _check_mlp_chunks(args)
     _check_keep_gathered(args)
     if pp > 1 and not fold:
@@ -158,6 +166,23 @@ def check_dhelix_args(args) -> None:
                              "U-folded pipeline: add --dhelix-fold")
     _check_moe(args)
     _check_recompute(args)
+
+
+def _check_pair_last(args, fold: bool) -> None:
+    """--dhelix-pair-last: the dense layers of the schedule without PP (TP/SP/DP, the
+    distributed optimizer), where it is checked against megatron."""
+    if not getattr(args, "dhelix_pair_last", False):
+        return
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    bad = [flag for flag, yes in (
+        ("--dhelix-fold", fold), ("--num-experts", bool(getattr(args, "num_experts", None))),
+        (f"--context-parallel-size {cp}", cp > 1),
+        ("--recompute-granularity", bool(getattr(args, "recompute_granularity", None))),
+        ("--dhelix-halves", bool(getattr(args, "dhelix_halves", False)))) if yes]
+    if bad:
+        raise DHelixArgError(f"--dhelix-pair-last pairs the last two backwards of dense "
+                             f"layers (TP/SP/DP); not built with {', '.join(bad)} (drop "
+                             f"--dhelix-pair-last)")
 
 
 def _not_dense_tp_sp(args) -> list:

@@ -16,6 +16,10 @@ derived from the profiled one, since the table was measured at the whole micro-b
   op slowing the compute ops of the other chain (the median stretch over them; the
   table has no pairs of one chain with itself).
 
+The same model prices two whole micro-batches' chains round-robin (`share` 1: each tile
+a whole micro-batch, every op its whole time): the last two backwards of
+`--dhelix-pair-last`.
+
 Neither is measured at the half shape, so the price is an estimate: on a CPU a GEMM of
 half the rows runs at a lower rate, which this does not see (`docs/results.md`).
 """
@@ -32,12 +36,12 @@ from dhelix.planner.plan import comm_runs
 TILES = 2      # run_tiles runs two halves
 
 
-def _halved(chain: List[OpSpec], prefix: str) -> List[OpSpec]:
+def _halved(chain: List[OpSpec], prefix: str, share: float) -> List[OpSpec]:
     def name(n):
         return None if n is None else prefix + n
     return [replace(o, name=name(o.name), after=name(o.after), reader=name(o.reader),
-                    flops=o.flops / TILES, comm_bytes=o.comm_bytes / TILES,
-                    saved_bytes=o.saved_bytes / TILES, temp_bytes=o.temp_bytes / TILES)
+                    flops=o.flops * share, comm_bytes=o.comm_bytes * share,
+                    saved_bytes=o.saved_bytes * share, temp_bytes=o.temp_bytes * share)
             for o in chain]
 
 
@@ -55,25 +59,28 @@ def _stretch_beside(table: CostTable, layer: LayerOps, kind: str) -> dict:
     return out
 
 
-def tiled_chain(layer: LayerOps, table: CostTable, kind: str) -> Tuple[LayerOps, CostTable]:
+def tiled_chain(layer: LayerOps, table: CostTable, kind: str,
+                share: float = 1.0 / TILES) -> Tuple[LayerOps, CostTable]:
     """The two halves of the layer's `kind` ("fwd" or "bwd") chain as a two-strand layer
-    and its derived table (module doc)."""
+    and its derived table (module doc); `share`: each tile's part of the micro-batch the
+    table was measured at (1: two whole micro-batches)."""
     if kind not in ("fwd", "bwd"):
         raise ValueError(f"kind must be 'fwd' or 'bwd', not {kind!r}")
     chain = list(layer.forward if kind == "fwd" else layer.backward)
     alone = table.alone_f if kind == "fwd" else table.alone_b
     in_step = table.in_step_f if kind == "fwd" else table.in_step_b
     host = table.host_f if kind == "fwd" else table.host_b
-    a, b = _halved(chain, "a:"), _halved(chain, "b:")
+    a, b = _halved(chain, "a:", share), _halved(chain, "b:", share)
     two = LayerOps(a, b)
-    t = CostTable.empty(two, {"derived": f"two batch halves of the {kind} chain"})
+    t = CostTable.empty(two, {"derived": f"two batch halves of the {kind} chain" if share < 1
+                              else f"two micro-batches' {kind} chains"})
     stretch = _stretch_beside(table, layer, kind)
     for o in chain:
         for pre, al, ins, hs in (("a:", t.alone_f, t.in_step_f, t.host_f),
                                  ("b:", t.alone_b, t.in_step_b, t.host_b)):
-            al[pre + o.name] = alone[o.name] / TILES
+            al[pre + o.name] = alone[o.name] * share
             if o.name in in_step:
-                ins[pre + o.name] = in_step[o.name] / TILES
+                ins[pre + o.name] = in_step[o.name] * share
             if o.name in host:
                 hs[pre + o.name] = host[o.name]
     for fa in chain:
@@ -89,10 +96,12 @@ def tiled_chain(layer: LayerOps, table: CostTable, kind: str) -> Tuple[LayerOps,
     return two, t
 
 
-def tiles_makespan(layer: LayerOps, table: CostTable, kind: str, force: bool = False) -> float:
-    """Seconds of one layer's `kind` chain as two halves round-robin (`run_tiles`)."""
+def tiles_makespan(layer: LayerOps, table: CostTable, kind: str, force: bool = False,
+                   share: float = 1.0 / TILES) -> float:
+    """Seconds of one layer's `kind` chain as two tiles round-robin (`run_tiles`): two
+    batch halves, or two whole micro-batches with `share` 1."""
     from dhelix.planner.simulate import LaneModel
-    two, t = tiled_chain(layer, table, kind)
+    two, t = tiled_chain(layer, table, kind, share)
     model = LaneModel(two, t, force=force)
     runs = comm_runs(two.forward)            # both halves cut alike
     pos = {n: i for i, n in enumerate(model.f_names)}

@@ -13,6 +13,9 @@ DHelix's schedule with N micro-batches and L layers is (`schedules/dhelix.py`)
   L−1 rotated pairs, the last α layer beside the rest of β's last node, and β's first
   node's first ops alone (`co_step_layers`); `layer_pair_s` is that over L.
 * B(N): β's L layers alone, one step of the backward ops in the plan's order.
+* `--dhelix-pair-last` (`pair_last`): F(1) and F(2) alone, N−2 co-steps F(k+2) ∥ B(k),
+  and the tail B(N−1) ∥ B(N): L layers, each two whole micro-batches' backward chains
+  round-robin (`planner.tiles` with share 1).
 * around the layers, every micro-batch once: the pre-process (embedding) forward and
   backward and the post-process (final norm, output layer, loss) forward and backward;
   the schedule runs them on the same thread as the layers, never beside a layer, so they
@@ -113,15 +116,23 @@ class WholeStep:
     step_extras_s: float           # optimizer + finalize + zero grad, once
     total_s: float
     halves: bool = False           # B(N) as two batch halves round-robin
+    layer_tail_s: float = 0.0      # one layer of B(N−1) ∥ B(N) (`--dhelix-pair-last`)
+    tail_s: float = 0.0            # L × layer_tail_s; 0 without the paired tail
 
     @property
     def layers_s(self) -> float:
-        return self.forward_alone_s + self.backward_alone_s + self.co_steps_s
+        return self.forward_alone_s + self.backward_alone_s + self.co_steps_s + self.tail_s
 
     def phases(self) -> List[Tuple[str, float]]:
         """(label, seconds) of each part, for printing; they add up to `total_s`."""
         L, N = self.num_layers, self.num_microbatches
-        if self.schedule == "dhelix":
+        if self.schedule == "dhelix" and self.tail_s:
+            out = [(f"F(1), F(2): {L} layers forward alone each", self.forward_alone_s),
+                   (f"{self.co_steps} co-steps F(k+2) ∥ B(k): {L} layer pairs each",
+                    self.co_steps_s),
+                   (f"B({N - 1}) ∥ B({N}): {L} layers, two backwards round-robin",
+                    self.tail_s)]
+        elif self.schedule == "dhelix":
             out = [(f"F(1): {L} layers forward alone", self.forward_alone_s),
                    (f"{self.co_steps} co-steps F(k+1) ∥ B(k): {L} layer pairs each",
                     self.co_steps_s),
@@ -140,12 +151,12 @@ class WholeStep:
 
 
 def _assemble(schedule: str, L: int, N: int, nf: int, nb: int, nc: int, f: float, b: float,
-              p: float, extras: StepExtras) -> WholeStep:
-    fa, ba, co = L * nf * f, L * nb * b, L * nc * p
+              p: float, extras: StepExtras, tail: float = 0.0) -> WholeStep:
+    fa, ba, co, ta = L * nf * f, L * nb * b, L * nc * p, L * tail
     mb = N * extras.per_microbatch()
     st = extras.per_step()
     return WholeStep(schedule, L, N, nf, nb, nc, f, b, p, fa, ba, co, mb, st,
-                     fa + ba + co + mb + st)
+                     fa + ba + co + ta + mb + st, layer_tail_s=tail, tail_s=ta)
 
 
 def _check_counts(num_layers: int, num_microbatches: int) -> None:
@@ -157,9 +168,10 @@ def _check_counts(num_layers: int, num_microbatches: int) -> None:
 
 def simulate_step(layer: LayerOps, plan: Plan, table: CostTable, num_layers: int,
                   num_microbatches: int, extras: StepExtras, *, force: bool = False,
-                  alone: AloneCost = plan_steps_alone) -> WholeStep:
+                  alone: AloneCost = plan_steps_alone, pair_last: bool = False) -> WholeStep:
     """DHelix's step: F(1); N−1 co-steps; B(N); the extras (module doc). With N = 1 there
-    is no co-step: F(1) then B(1), each layer alone."""
+    is no co-step: F(1) then B(1), each layer alone. `pair_last` (N ≥ 2): F(1), F(2);
+    N−2 co-steps; B(N−1) ∥ B(N)."""
     _check_counts(num_layers, num_microbatches)
     validate(plan, layer)
     model = LaneModel(layer, table, force=force)
@@ -168,6 +180,12 @@ def simulate_step(layer: LayerOps, plan: Plan, table: CostTable, num_layers: int
                         order=plan.backward) if plan.rotation else model
     p = co_step_layers(rotated, plan, num_layers) / num_layers
     N = num_microbatches
+    if pair_last and getattr(alone, "halves", False):
+        raise ValueError("pair_last and the halves both change B(N): price one of them")
+    if pair_last and N > 1:
+        from dhelix.planner.tiles import tiles_makespan
+        tail = tiles_makespan(layer, table, "bwd", force=force, share=1.0)
+        return _assemble("dhelix", num_layers, N, 2, 0, N - 2, f, b, p, extras, tail)
     w = _assemble("dhelix", num_layers, N, 1, 1, N - 1, f, b, p, extras)
     w.halves = bool(getattr(alone, "halves", False))    # `halves_alone` says so
     return w

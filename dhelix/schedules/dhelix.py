@@ -12,7 +12,21 @@ A rotated plan (`Plan.rotation`) shifts β by part of a layer (`RotatedWalk`): �
 runs beside the end of one β node and the start of the next, so the two strands never
 drain together at a layer step's end (`schedules/rotated.py`).
 
-F(1) and B(N) have no partner. With `--dhelix-halves` the last micro-batch's layer nodes
+F(1) and B(N) have no partner. With `--dhelix-pair-last` the schedule runs one
+micro-batch further ahead, so that the last two backwards pair with each other:
+
+    F(1); F(2);  [F(k+2) ∥ B(k)] for k = 1..N-2;  B(N-1) ∥ B(N)
+
+the tail's two walks round-robin, layer by layer (`run_tiles`, one's comm beside the
+other's compute). What that buys is time after the last gradient: megatron DDP reduces a
+bucket once B(N) has passed its layer, and the DP traffic left when the backward ends is
+exposed; paired, there are two backwards' worth of compute behind it. What it costs: F(2)
+runs alone, and one more micro-batch's activations are held from F(2) on. B(N-1)'s
+gradients are handed over inside megatron's no_sync (`BackwardWalk.hold`), as they were
+in its co-step: only B(N)'s ready a bucket, and each parameter's sum is megatron's, in
+megatron's order (B(N-1)'s part always first: its walk runs one segment ahead).
+
+With `--dhelix-halves` the last micro-batch's layer nodes
 hold two batch halves: B(N) runs them round-robin (one half's comm beside the other's
 compute), and F(N), in the co-step before, runs each op on both halves in turn. F(1)
 stays whole: its halves would make B(1) run op by op on two halves beside F(2), which
@@ -63,6 +77,9 @@ class DHelixSchedule:
 
     def check(self, chunks, seq_length, micro_batch_size):
         """Validate the plan against every DHelix layer now, before the first step."""
+        if self.options.get("halves") and self.options.get("pair_last"):
+            raise ValueError("--dhelix-halves and --dhelix-pair-last both change B(N), the "
+                             "backward without a partner: give one of them")
         if self.options.get("halves") and micro_batch_size % HALVES:
             raise ValueError(f"--dhelix-halves splits the micro-batch of B(N) in "
                              f"{HALVES}: --micro-batch-size must be even (got "
@@ -138,6 +155,21 @@ def co_step(plans: PlanBook, tracer: Optional[Tracer], forward=None,
     return out
 
 
+def co_tail(tracer: Optional[Tracer], first: BackwardWalk, last: BackwardWalk) -> None:
+    """B(N−1) ∥ B(N), `--dhelix-pair-last`: both walks' post-process nodes, then each layer
+    of both round-robin (`first` one segment ahead), then both pre-process nodes; each
+    walk's parts in the order a walk alone runs them (module doc)."""
+    first.post()
+    last.post()
+    while last.remaining():
+        a, b = first.next(), last.next()
+        run_tiles(a.program, a.states + b.states, "bwd", tracer)
+        first.done(a)
+        last.done(b)
+    first.pre()
+    last.pre()
+
+
 def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_microbatches,
                             seq_length, micro_batch_size, decoder_seq_length=None,
                             forward_only=False, collect_non_loss_data=False,
@@ -171,10 +203,15 @@ def forward_backward_dhelix(*, forward_step_func, data_iterator, model, num_micr
         # not F(1)'s)
         tiles = halves if k == N - 1 else 1
         return lambda execute: steps.forward(k, execute, tiles=tiles)
+    ahead = 2 if schedule.options.get("pair_last") and N > 1 else 1   # forwards before B(1)
     with no_sync():
-        prev = co_step(plans, tracer, fwd(0))                               # F(1)
-        for k in range(1, N):
-            prev = co_step(plans, tracer, fwd(k), steps.backward(prev))     # F(k+1) ∥ B(k)
-    co_step(plans, tracer, None, steps.backward(prev))     # B(N), outside no_sync: grads
-    steps.finalize()                                       # are reduced here, as megatron
+        done = [co_step(plans, tracer, fwd(k)) for k in range(ahead)]   # F(1) (and F(2))
+        for k in range(ahead, N):                                       # F(k+1) ∥ B(k+1−ahead)
+            done.append(co_step(plans, tracer, fwd(k), steps.backward(done.pop(0))))
+    # outside no_sync: megatron DDP reduces the gradients as the last backward readies them
+    if ahead == 2:                                                      # B(N−1) ∥ B(N)
+        co_tail(tracer, steps.backward(done[0], hold=no_sync), steps.backward(done[1]))
+    else:                                                               # B(N)
+        co_step(plans, tracer, None, steps.backward(done[0]))
+    steps.finalize()
     return steps.store

@@ -15,6 +15,7 @@ the autograd engine (on CUDA: its device thread).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -70,11 +71,16 @@ class BackwardWalk:
     The walk owns the micro-batch's nodes (`mb.nodes` is emptied) and lets each go when
     its backward is done: a finished node keeps nothing, its input — the output of the
     node below, whose own `out` the walk clears then — is freed, and the walk holds only
-    the gradient in flight and the first layer's input for the pre-process node."""
+    the gradient in flight and the first layer's input for the pre-process node.
+
+    `hold` (megatron DDP's no_sync): every gradient this walk hands over is handed inside
+    it — a backward that is not the step's last, run beside the last (the paired tail),
+    must not ready a DDP bucket."""
 
     def __init__(self, mb: Microbatch, steps: "MicrobatchSteps", label: str,
-                 grad_output: Optional[torch.Tensor] = None):
-        self.mb, self.steps, self.label = mb, steps, label
+                 grad_output: Optional[torch.Tensor] = None,
+                 hold: Optional[Callable] = None):
+        self.mb, self.steps, self.label, self.hold = mb, steps, label, hold
         self.grad_output = grad_output      # None: the output is the loss
         self.pending, mb.nodes = list(mb.nodes), []
         self.first_input = self.pending[0].x_in if self.pending else None
@@ -89,8 +95,9 @@ class BackwardWalk:
         from megatron.core.pipeline_parallel import schedules as ms
         out, self.mb.output = self.mb.output, None
         if not self.pending:        # no DHelix layer: megatron's own backward step
-            ms.backward_step(None, out, self.grad_output, self.steps.model_type,
-                             self.steps.config)
+            with self.hold() if self.hold is not None else contextlib.nullcontext():
+                ms.backward_step(None, out, self.grad_output, self.steps.model_type,
+                                 self.steps.config)
             return
         if self.grad_output is None and self.steps.config.grad_scale_func is not None:
             out = self.steps.config.grad_scale_func(out)
@@ -108,7 +115,7 @@ class BackwardWalk:
         now = [(p, g) for p, g in zip(body, grads[1:]) if g is not None]
         self.held = {id(p): g for p, g in now if id(p) in tied}
         now = [(p, g) for p, g in now if id(p) not in tied]
-        accumulate_grads([p for p, _ in now], [g for _, g in now])
+        accumulate_grads([p for p, _ in now], [g for _, g in now], self.hold)
 
     def remaining(self) -> int:
         return len(self.pending)
@@ -116,6 +123,7 @@ class BackwardWalk:
     def next(self) -> LayerNode:
         node = self.pending.pop()
         g, self.g = self.g, None            # the node's states hold it (or their tiles)
+        node.grad_hold = self.hold
         node.begin_backward(g, "β", self.label)
         node.recompute_forward(self.steps.tracer)    # a recomputed layer: forward again
         return node
@@ -140,7 +148,7 @@ class BackwardWalk:
                 if g is not None:
                     params.append(p)
                     grads.append(g)
-        accumulate_grads(params, grads)
+        accumulate_grads(params, grads, self.hold)
         if x is not None and x.requires_grad and x.grad_fn is None:
             self.input_grad = self.g          # a received pipeline input: its gradient
         self.g, self.below = None, []
@@ -206,8 +214,8 @@ class MicrobatchSteps:
         self.tokens += ntok          # no host copy: stays where megatron made it
         return Microbatch(k, out, runner.nodes)
 
-    def backward(self, mb: Microbatch, grad_output=None) -> BackwardWalk:
-        return BackwardWalk(mb, self, f"B{mb.index + 1}", grad_output)
+    def backward(self, mb: Microbatch, grad_output=None, hold=None) -> BackwardWalk:
+        return BackwardWalk(mb, self, f"B{mb.index + 1}", grad_output, hold)
 
     def finalize(self) -> None:
         c = self.config

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -63,6 +63,10 @@ class LayerNode:
         self.x_in: Optional[torch.Tensor] = x     # its graph leads to the node below
         self.out: Optional[torch.Tensor] = None
         self.handoff: Optional[GradHandoff] = None    # during a backward with known counts
+        # a context that every gradient hand-over of this node's backward runs in: megatron
+        # DDP's no_sync for a backward that is not the step's last but runs beside it
+        # (`schedules/dhelix.py`, the paired tail), so its grads do not ready a bucket
+        self.grad_hold: Optional[Callable] = None
         if tiles > 1 and (x.shape[1] < tiles or x.shape[1] % tiles):
             raise ValueError(f"the intra-batch peer splits each micro-batch in {tiles}: "
                              f"--micro-batch-size must be divisible by {tiles} "
@@ -127,7 +131,8 @@ class LayerNode:
                 f"own thread, outside autograd")
         self.out = None
         counts = _GRAD_COUNTS.get(self.program) if grad_handoff_enabled() else None
-        self.handoff = GradHandoff(self.states) if counts is not None else None
+        self.handoff = GradHandoff(self.states, self.grad_hold) if counts is not None \
+            else None
         for S, gi in zip(self.states, _split(g, len(self.states))):
             S.counting = False          # backward temporaries are not activations
             S.strand, S.label = strand, label
@@ -157,7 +162,7 @@ class LayerNode:
         params = [p for p in self.program.params if id(p) in grads]
         if h is not None:
             h.check_unhanded(params)
-        accumulate_grads(params, [grads[id(p)] for p in params])
+        accumulate_grads(params, [grads[id(p)] for p in params], self.grad_hold)
         if grad_handoff_enabled():
             if h is None or grads:
                 # first backward (or the counts did not hold: their grads went over only
@@ -187,7 +192,8 @@ class GradHandoff:
     acc_grad`); when every tile's sum is here they are added in tile order — exactly the
     whole-node path's sum — and handed to the parameter's AccumulateGrad, once."""
 
-    def __init__(self, states: List[StrandState]):
+    def __init__(self, states: List[StrandState], hold: Optional[Callable] = None):
+        self.hold = hold
         self.index = {id(S): i for i, S in enumerate(states)}
         self.tiles = len(states)
         self.done: Dict[int, List[Optional[torch.Tensor]]] = {}   # id(param) -> per tile
@@ -212,7 +218,7 @@ class GradHandoff:
                 total = total + t
             sums.clear()
             self.handed[k] = param
-            accumulate_grads([param], [total])
+            accumulate_grads([param], [total], self.hold)
 
     def check_unhanded(self, params: List[torch.Tensor]) -> None:
         twice = [tuple(p.shape) for p in params if id(p) in self.handed]
@@ -230,11 +236,15 @@ class GradHandoff:
 DDP_HOOK = "_dhelix_ddp_grad_hook"
 
 
-def accumulate_grads(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+def accumulate_grads(params: List[torch.Tensor], grads: List[torch.Tensor],
+                     hold: Optional[Callable] = None) -> None:
     """Hand finished gradients over, exactly once per parameter: to megatron DDP's hook
     directly (main_grad accumulation and overlapped reduce, as its AccumulateGrad
     post-hook does), or else to the parameters' AccumulateGrad nodes (a leaf's backward
-    runs only those, and the hooks on them)."""
+    runs only those, and the hooks on them); inside `hold()` when given (`grad_hold`)."""
+    if hold is not None and params:
+        with hold():
+            return accumulate_grads(params, grads)
     rest_p, rest_g = [], []
     for p, g in zip(params, grads):
         hook = getattr(p, DDP_HOOK, None)
