@@ -205,6 +205,29 @@ def test_trace_picture_names_ops_marks_phases_has_legend():
         plt.close(fig)
 
 
+def test_trace_phases_of_the_paired_tail():
+    """`--dhelix-pair-last`: F(1) and F(2) alone, F(3) ∥ B(1), then B(2) and B(3) both β
+    and overlapping in time: one phase, B(2) ∥ B(3), drawn with its own legend entry."""
+    import matplotlib.pyplot as plt
+    from dhelix.strand.trace import TraceEvent as E, phases, timeline_figure
+    ev = [E("α", "qkv", "compute", 0.000, 0.010, 0, "F1"),
+          E("α", "qkv", "compute", 0.010, 0.020, 1, "F2"),
+          E("α", "qkv", "compute", 0.020, 0.030, 2, "F3"),
+          E("β", "fc1_wgrad", "compute", 0.021, 0.029, 2, "B1"),
+          E("β", "fc1_wgrad", "compute", 0.030, 0.035, 3, "B2"),
+          E("β", "ag_attn_w", "intra", 0.032, 0.040, 4, "B3"),
+          E("β", "fc1_wgrad", "compute", 0.036, 0.045, 5, "B2")]
+    got = [(k, l, round(t0 * 1e3), round(t1 * 1e3)) for k, l, t0, t1 in phases(ev)]
+    assert got == [("F", "F(1)", 0, 10), ("F", "F(2)", 10, 20),
+                   ("F∥B", "F(3) ∥ B(1)", 20, 30), ("B∥B", "B(2) ∥ B(3)", 30, 45)]
+    fig = timeline_figure(ev, "rank 0")
+    try:
+        legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+        assert "B ∥ B (the paired last two)" in legend
+    finally:
+        plt.close(fig)
+
+
 def test_time_report_per_phase_with_the_link_track():
     """Where the time goes, from the events of `_events` and three link transfers
     (0-5, 15-25, 20-30 ms): each phase's span and the shares of it the compute lane and

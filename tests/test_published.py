@@ -112,6 +112,9 @@ def test_published_simulate_predicts_rows_without_running_them(tmp_path):
     # the same DP traffic and head on both sides dilute the layers' gain
     assert 1.0 < row["speedup"] < row["layers_speedup"]
     assert row["megatron_ms"] / row["dhelix_ms"] == pytest.approx(row["speedup"])
+    # --dhelix-pair-last: two backwards after the last forward hide more of the DP
+    # reduction (a PP row has no such column)
+    assert row["pair_last_speedup"] > row["speedup"] and big["pair_last_speedup"] is None
     assert "| gpt-6.7b (a40) |" in (tmp_path / "simulated.md").read_text()
 
 
@@ -148,26 +151,28 @@ def test_best_rows_run_each_side_at_the_layout_advise_picks(tmp_path):
 def test_published_row_end_to_end(tmp_path):
     """`dhelix published` runs one row end to end at a tiny factor (the table's machinery,
     not its numbers): gpt-6.7b's DP16 × TP4 cut to 8 ranks (DP 2), 2 layers, megatron and
-    DHelix's plan both with the distributed optimizer and overlapped reduce and gather,
-    the reduction priced at DP 16; the losses equal megatron's, the table written."""
+    DHelix's plan with the paired tail (`--pair-last`) both with the distributed
+    optimizer and overlapped reduce and gather, the reduction priced at DP 16; the losses
+    equal megatron's, the table written."""
     import json
     import subprocess
     import sys
     out = tmp_path / "pub"
     r = subprocess.run([sys.executable, "-m", "dhelix.cli", "published", "--rows", "gpt-6.7b",
                         "--max-ranks", "8", "--num-layers", "2", "--factor", "1",
-                        "--microbatches", "2", "--out", str(out)],
+                        "--microbatches", "2", "--pair-last", "--out", str(out)],
                        capture_output=True, text=True, timeout=550)
     assert r.returncode == 0, r.stderr[-3000:]
     (row,) = json.loads((out / "table.json").read_text())["rows"]
     assert (row["ranks"], row["run_dp"], row["layers"], row["global_batch"]) == (8, 2, 2, 32)
     assert row["losses_equal"] and row["final_loss"][0] == row["final_loss"][1]
-    assert (row["megatron_method"], row["dhelix_method"]) == ("megatron", "dhelix-plan")
+    assert (row["megatron_method"], row["dhelix_method"]) == ("megatron", "dhelix-last")
     assert row["speedup"] > 0 and row["dp_exposed_ms"] > 0
     bench = json.loads((out / "rows" / "gpt-6.7b.json").read_text())
     assert bench["args"]["distributed_optimizer"] is True
     assert bench["args"]["emulate"] == "gpt-6.7b,seq=4096,mbs=1,dp=16"
-    assert "| gpt-6.7b (a40) | DP16 × TP4 (4096) | 8, DP2, 2 |" in (out / "table.md").read_text()
+    md = (out / "table.md").read_text()
+    assert "| gpt-6.7b (a40) | DP16 × TP4 (4096) | 8, DP2, 2 |" in md and "(pair-last)" in md
     assert (out / "table.png").stat().st_size > 1000
 
 

@@ -79,6 +79,7 @@ class TableOptions:
     seq_length: int = 64          # the small model's own sequence
     out: str = "published"        # directory: table.md, table.json, table.png, rows/
     simulate: bool = False        # the simulator's table only (simulated.md), no runs
+    pair_last: bool = False       # PP-1 rows: DHelix with --dhelix-pair-last (dhelix-last)
 
 
 class TableError(ValueError):
@@ -119,7 +120,7 @@ def bench_options(row: Row, o: TableOptions, work: str):
     d = run_dp(row, o.max_ranks)
     layers = o.num_layers or load_model_config(row.model).num_layers
     methods = "megatron-1f1b,megatron-interleaved,dhelix-fold" if row.pp > 1 else \
-        "megatron,dhelix-plan"
+        "megatron,dhelix-last" if o.pair_last else "megatron,dhelix-plan"
     return BenchOptions(
         configs=small_config(row, layers, work), links="paced:1gbit",
         nproc=row.model_ranks * d, tensor_model_parallel_size=row.tp,
@@ -137,7 +138,7 @@ def summarize(row: Row, o: TableOptions, bench_rows: List[dict], rc: int,
     by = {r["method"]: r for r in bench_rows}
     megs = [by[m] for m in ("megatron", "megatron-1f1b", "megatron-interleaved") if m in by]
     meg = min(megs, key=lambda r: r["step_s"])
-    dh = by.get("dhelix-plan") or by["dhelix-fold"]
+    dh = by.get("dhelix-plan") or by.get("dhelix-last") or by["dhelix-fold"]
     meg_sim = min(r["predicted_step_s"] for r in megs)
     return {
         "row": row.key, "group": row.group, "model": row.model, "cluster": row.cluster,
@@ -167,7 +168,9 @@ def markdown(done: List[dict], skipped: List[str]) -> str:
         lines.append(
             f"| {r['row']} ({r['cluster']}) | {r['published']} ({r['seq']}) | {r['ranks']}, "
             f"DP{r['run_dp']}, {r['layers']} | {r['megatron_ms']:.0f} "
-            f"({r['megatron_method']}) | {r['dhelix_ms']:.0f} | **{r['speedup']:.2f}x** "
+            f"({r['megatron_method']}) | {r['dhelix_ms']:.0f}"
+            f"{' (pair-last)' if r.get('dhelix_method') == 'dhelix-last' else ''} | "
+            f"**{r['speedup']:.2f}x** "
             f"({r['speedup_simulated']:.2f}x) | {r['memory_vs_megatron']:.3f} | "
             f"{'yes' if r['losses_equal'] else 'NO'} | "
             f"{r.get('dp_exposed_ms', r.get('reduce_ms', 0.0)):.0f} | "
@@ -207,6 +210,7 @@ def simulated(row: Row, o: TableOptions, work: str) -> dict:
     meg = min((m for m in pred if m.startswith("megatron")), key=lambda m: pred[m]["step_s"])
     dh = "dhelix-fold" if row.pp > 1 else "dhelix-plan"
     ms = lambda m, k: pred[m][k] * 1e3  # noqa: E731
+    last = pred.get("dhelix-last") if row.pp == 1 else None     # --dhelix-pair-last
     return {"row": row.key, "cluster": row.cluster, "published": row.layout(),
             "seq": row.seq, "ranks": b.nproc, "run_dp": b.nproc // row.model_ranks,
             "megatron_method": meg, "megatron_ms": ms(meg, "step_s"),
@@ -214,6 +218,8 @@ def simulated(row: Row, o: TableOptions, work: str) -> dict:
             "layers_ms": (ms(meg, "layers_s"), ms(dh, "layers_s")),
             "layers_speedup": pred[meg]["layers_s"] / pred[dh]["layers_s"],
             "head_ms": ms(dh, "head_s"),
+            "pair_last_ms": last and last["step_s"] * 1e3,
+            "pair_last_speedup": last and pred[meg]["step_s"] / last["step_s"],
             "dp_exposed_ms": (ms(meg, "reduce_s") + ms(meg, "gather_s"),
                               ms(dh, "reduce_s") + ms(dh, "gather_s"))}
 

@@ -99,14 +99,16 @@ def simulate_table(o: TableOptions) -> int:
         print(f"dhelix published: simulated {row.key}", file=sys.stderr)
     lines = ["| row | published layout (seq) | ran as: ranks, DP | megatron (best) ms | "
              "DHelix ms | DHelix vs megatron | layers only | head ms | DP traffic exposed "
-             "ms (megatron / DHelix) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "ms (megatron / DHelix) | with --dhelix-pair-last |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in out:
+        last = r.get("pair_last_speedup")
         lines.append(
             f"| {r['row']} ({r['cluster']}) | {r['published']} ({r['seq']}) | {r['ranks']}, "
             f"DP{r['run_dp']} | {r['megatron_ms']:.0f} ({r['megatron_method']}) | "
             f"{r['dhelix_ms']:.0f} | {r['speedup']:.2f}x | {r['layers_speedup']:.2f}x | "
             f"{r['head_ms']:.0f} | {r['dp_exposed_ms'][0]:.0f} / "
-            f"{r['dp_exposed_ms'][1]:.0f} |")
+            f"{r['dp_exposed_ms'][1]:.0f} | {f'{last:.2f}x' if last else '—'} |")
     if skipped:
         lines.append(f"\n{', '.join(skipped)}: more ranks than --max-ranks {o.max_ranks} at "
                      f"DP 1, so `dhelix published` would not run them; simulated at DP 1")

@@ -40,6 +40,10 @@ def add_parser(sub) -> None:
     p.add_argument("--simulate", action="store_true",
                    help="no runs: the simulators' table for the rows as they would run "
                         "(simulated.md, simulated.json in --out), in seconds")
+    p.add_argument("--pair-last", action="store_true",
+                   help="the rows without PP run DHelix with --dhelix-pair-last (B(N-1) ∥ "
+                        "B(N): less DP traffic exposed, one more micro-batch's "
+                        "activations); --simulate shows both either way")
     p.set_defaults(func=run)
 
 

@@ -189,9 +189,9 @@ def chrome_trace(events: Sequence, rank: int = 0) -> dict:
 
 
 STRAND_COLORS = {"α": "tab:blue", "β": "tab:orange", LINK: "tab:green"}
-PHASE_COLORS = {"F": "#d9d9d9", "F∥B": "#b7e4b0", "B": "#f2d7b6"}
+PHASE_COLORS = {"F": "#d9d9d9", "F∥B": "#b7e4b0", "B": "#f2d7b6", "B∥B": "#e8c1e0"}
 PHASE_NAMES = {"F": "F alone (first forward)", "F∥B": "F ∥ B (paired)",
-               "B": "B alone (last backward)"}
+               "B": "B alone (last backward)", "B∥B": "B ∥ B (the paired last two)"}
 
 
 def _mb(label: str) -> str:
@@ -204,7 +204,7 @@ def _mb(label: str) -> str:
 def phases(events: Sequence) -> List[Tuple[str, str, float, float]]:
     """(kind, label, start, end) per phase of the step, in time order: kind 'F' (a
     forward alone: F(1)), 'F∥B' (a forward beside a backward: F(k+1) ∥ B(k)) or 'B' (a
-    backward alone: B(N)). A micro-batch's executor steps (first to last) that overlap
+    backward alone: B(N)), or 'B∥B' (the paired tail, B(N−1) ∥ B(N)). A micro-batch's executor steps (first to last) that overlap
     the other strand's make one paired phase; seconds from the events."""
     spans = {}          # (strand, label) -> [first step, last step, start, end]
     for e in events:
@@ -225,7 +225,13 @@ def phases(events: Sequence) -> List[Tuple[str, str, float, float]]:
         out.append(("F∥B", f"{_mb(fl)} ∥ {', '.join(_mb(bl) for _, bl in with_b)}",
                     min([ft0] + [v[2] for v, _ in with_b]),
                     max([ft1] + [v[3] for v, _ in with_b])))
-    out += [("B", _mb(bl), v[2], v[3]) for v, bl in bwd if bl not in used]
+    # backwards alone: B(N), or B(N−1) ∥ B(N) (`--dhelix-pair-last`) where two overlap
+    for v, bl in [(v, bl) for v, bl in bwd if bl not in used]:
+        last = out[-1] if out and out[-1][0] in ("B", "B∥B") else None
+        if last is not None and v[2] < last[3]:
+            out[-1] = ("B∥B", f"{last[1]} ∥ {_mb(bl)}", last[2], max(last[3], v[3]))
+        else:
+            out.append(("B", _mb(bl), v[2], v[3]))
     return sorted(out, key=lambda p: p[2])
 
 
