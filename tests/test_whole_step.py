@@ -223,6 +223,12 @@ def test_simulate_cli_whole_step(tmp_path, capsys):
     assert f"predicted step: DHelix {fmt_time(dh.total_s)}, megatron {fmt_time(mg.total_s)}" \
         in out
     assert f"speedup {mg.total_s / dh.total_s:.3f}x" in out
+    # --pair-last: the paired tail's phases and its prediction
+    assert main(["simulate", plan, "--num-microbatches", "4", "--pair-last"]) == 0
+    last, _ = predict(layer, Plan.load(plan), t, 4, pair_last=True)
+    got = capsys.readouterr().out
+    assert "2 co-steps F(k+2) ∥ B(k)" in got and "B(3) ∥ B(4)" in got
+    assert f"predicted step: DHelix {fmt_time(last.total_s)}" in got
     fl = thread_floor(layer, t, 2, 4, x)
     assert f"thread floor (every compute op's time in a layer step + every comm op's host " \
         f"work, nothing waited for): layer pair {fmt_time(fl.pair_s)}" in out
@@ -405,6 +411,8 @@ def test_simulate_cli_halves_needs_a_whole_step(tmp_path, capsys):
     layer, t = _three_op_layer()
     plan = tmp_path / "plan.json"
     trivial_plan(layer).save(str(plan))
-    rc = main(["simulate", str(plan), "--halves"])
-    assert rc == 2
-    assert "--halves" in capsys.readouterr().err
+    for flags, name in ((["--halves"], "--halves"), (["--pair-last"], "--pair-last"),
+                        (["--halves", "--pair-last", "--num-microbatches", "4"],
+                         "give one of them")):
+        assert main(["simulate", str(plan), *flags]) == 2
+        assert name in capsys.readouterr().err

@@ -48,6 +48,9 @@ def add_parser(sub) -> None:
     g.add_argument("--halves", action="store_true",
                    help="with --num-microbatches (PP = 1): B(N) as two batch halves "
                         "round-robin, as `dhelix train --dhelix-halves` runs it")
+    g.add_argument("--pair-last", action="store_true",
+                   help="with --num-microbatches (PP = 1): F(1), F(2) alone and B(N-1) ∥ "
+                        "B(N) round-robin, as `dhelix train --dhelix-pair-last` runs it")
     g.add_argument("--num-layers", type=int, default=None, metavar="L",
                    help="layers of the model (default: the config's; without a pipeline: "
                         "the number the table's step extras were measured with)")
@@ -73,11 +76,14 @@ def run(a) -> int:
     from dhelix.planner.plan import Plan, trivial_plan, validate
     from dhelix.planner.simulate import plot_timeline, simulate, to_chrome_trace
     try:
-        if a.halves and ((a.pipeline_model_parallel_size or 1) > 1 or
-                         a.num_microbatches is None):
-            raise InputError("--halves prices B(N) as two batch halves in the whole step "
-                             "without a pipeline: give --num-microbatches N and no "
-                             "--pipeline-model-parallel-size")
+        for flag, on in (("--halves", a.halves), ("--pair-last", a.pair_last)):
+            if on and ((a.pipeline_model_parallel_size or 1) > 1 or
+                       a.num_microbatches is None):
+                raise InputError(f"{flag} prices B(N) in the whole step without a "
+                                 f"pipeline: give --num-microbatches N and no "
+                                 f"--pipeline-model-parallel-size")
+        if a.halves and a.pair_last:
+            raise InputError("--halves and --pair-last both change B(N): give one of them")
         plan = Plan.load(a.plan)
         meta = plan.meta or {}
         table, cluster, force = plan_cost_source(a.plan, meta, a.table, a.cluster,
@@ -149,7 +155,8 @@ def _whole_step(a, layer, plan, costs, src, force):
     if a.num_layers is not None and a.num_layers < 1:
         raise InputError(f"--num-layers {a.num_layers}: give at least 1")
     dh, mg = predict(layer, plan, costs, a.num_microbatches, a.num_layers,
-                     source=src.get("path", "<table>"), force=force, halves=a.halves)
+                     source=src.get("path", "<table>"), force=force, halves=a.halves,
+                     pair_last=a.pair_last)
     floor = thread_floor(layer, costs, dh.num_layers, dh.num_microbatches, costs.step_extras,
                          force=force)
     return dh, mg, floor

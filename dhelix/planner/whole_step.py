@@ -251,15 +251,17 @@ def extras_of(table: CostTable, source: str = "<table>") -> StepExtras:
 
 def predict(layer: LayerOps, plan: Plan, table: CostTable, num_microbatches: int,
             num_layers: Optional[int] = None, source: str = "<table>",
-            force: bool = False, halves: bool = False) -> Tuple[WholeStep, WholeStep]:
+            force: bool = False, halves: bool = False,
+            pair_last: bool = False) -> Tuple[WholeStep, WholeStep]:
     """(DHelix's step with `plan`, megatron's step) from one table with extras; the layer
     count defaults to the one the extras were measured with. `halves`: B(N) as two batch
-    halves round-robin (`--dhelix-halves`, priced by `planner.tiles`)."""
+    halves round-robin (`--dhelix-halves`, priced by `planner.tiles`); `pair_last`: the
+    paired tail of `--dhelix-pair-last`."""
     extras = extras_of(table, source)
     L = num_layers or extras.num_layers
     alone = halves_alone(layer, table, force=force) if halves else plan_steps_alone
     return (simulate_step(layer, plan, table, L, num_microbatches, extras, force=force,
-                          alone=alone),
+                          alone=alone, pair_last=pair_last),
             simulate_megatron_step(layer, table, L, num_microbatches, extras, force=force))
 
 
