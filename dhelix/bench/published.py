@@ -79,7 +79,7 @@ class TableOptions:
     seq_length: int = 64          # the small model's own sequence
     out: str = "published"        # directory: table.md, table.json, table.png, rows/
     simulate: bool = False        # the simulator's table only (simulated.md), no runs
-    pair_last: bool = False       # PP-1 rows: DHelix with --dhelix-pair-last (dhelix-last)
+    pair_last: bool = False       # DHelix with --dhelix-pair-last where it runs (`tail_row`)
 
 
 class TableError(ValueError):
@@ -114,13 +114,18 @@ def small_config(row: Row, layers: int, work: str) -> str:
     return path
 
 
+def tail_row(row: Row) -> bool:
+    """Whether `--dhelix-pair-last` runs on the row's layout (PP, CP and EP 1)."""
+    return row.pp == 1 and row.cp == 1 and row.ep == 1
+
+
 def bench_options(row: Row, o: TableOptions, work: str):
     from dhelix.bench.run import BenchOptions
     from dhelix.models.config import load_model_config
     d = run_dp(row, o.max_ranks)
     layers = o.num_layers or load_model_config(row.model).num_layers
     methods = "megatron-1f1b,megatron-interleaved,dhelix-fold" if row.pp > 1 else \
-        "megatron,dhelix-last" if o.pair_last else "megatron,dhelix-plan"
+        "megatron,dhelix-last" if o.pair_last and tail_row(row) else "megatron,dhelix-plan"
     return BenchOptions(
         configs=small_config(row, layers, work), links="paced:1gbit",
         nproc=row.model_ranks * d, tensor_model_parallel_size=row.tp,
@@ -210,7 +215,7 @@ def simulated(row: Row, o: TableOptions, work: str) -> dict:
     meg = min((m for m in pred if m.startswith("megatron")), key=lambda m: pred[m]["step_s"])
     dh = "dhelix-fold" if row.pp > 1 else "dhelix-plan"
     ms = lambda m, k: pred[m][k] * 1e3  # noqa: E731
-    last = pred.get("dhelix-last") if row.pp == 1 else None     # --dhelix-pair-last
+    last = pred["dhelix-last"] if tail_row(row) else None       # --dhelix-pair-last
     return {"row": row.key, "cluster": row.cluster, "published": row.layout(),
             "seq": row.seq, "ranks": b.nproc, "run_dp": b.nproc // row.model_ranks,
             "megatron_method": meg, "megatron_ms": ms(meg, "step_s"),
