@@ -83,8 +83,6 @@ def test_pair_last_untied_llama_matches_megatron(tmp_path):
     (dict(dhelix={"enabled": True, "pair_last": True, "halves": True}),
      "pair-last .*--dhelix-halves"),
     (dict(dhelix={"pair_last": True}), "add --dhelix"),
-    (dict(dhelix={"enabled": True, "pair_last": True}, context_parallel_size=2),
-     "--context-parallel-size 2"),
     (dict(dhelix={"enabled": True, "pair_last": True}, recompute_granularity="full",
           recompute_method="uniform", recompute_num_layers=1), "--recompute-granularity"),
     (dict(dhelix={"enabled": True, "pair_last": True, "fold": True},
@@ -101,8 +99,8 @@ def test_pair_last_refused_where_not_built(extra, match):
 
 
 def test_pair_last_in_megatron_lm_arguments():
-    """pretrain_gpt.py's arguments: `--dhelix-pair-last` needs --dhelix, and is refused
-    with experts, CP, recompute, the fold and the halves, each by name."""
+    """pretrain_gpt.py's arguments: `--dhelix-pair-last` needs --dhelix, runs with CP, and
+    is refused with experts, recompute and the halves, each by name."""
     import argparse
     from dhelix.megatron.args import DHelixArgError, add_dhelix_args, check_dhelix_args
 
@@ -116,11 +114,11 @@ def test_pair_last_in_megatron_lm_arguments():
             setattr(ns, k, v)
         return ns
     check_dhelix_args(args("--dhelix", "--dhelix-pair-last"))
+    check_dhelix_args(args("--dhelix", "--dhelix-pair-last", context_parallel_size=2))
     with pytest.raises(DHelixArgError, match="--dhelix-pair-last needs --dhelix"):
         check_dhelix_args(args("--dhelix-pair-last"))
     for flags, kw, name in ((("--dhelix-halves",), {}, "--dhelix-halves"),
                             ((), dict(num_experts=4), "--num-experts"),
-                            ((), dict(context_parallel_size=2), "--context-parallel-size 2"),
                             ((), dict(recompute_granularity="full"),
                              "--recompute-granularity")):
         with pytest.raises(DHelixArgError, match=name):
@@ -156,3 +154,21 @@ def test_the_emulated_prediction_knows_the_paired_tail(tmp_path):
     dp_comm = stage_dp(b, big, cluster, [L], [(True, True)])[0]
     assert last["reduce_s"] == pytest.approx(
         dp_comm.exposed(w.layer_forward_s, w.layer_tail_s)[0])
+
+
+@pytest.mark.parametrize("tp,cp,seeds", [(1, 2, [1, 2]), (2, 2, [3])])
+def test_pair_last_with_context_parallel_matches_the_cp_baseline(tmp_path, tp, cp, seeds):
+    """Context parallel (DHelix's ring attention), tiny-llama, 3 micro-batches, random
+    plans (even seeds rotated, which may cut the ring): `--dhelix-pair-last` bit for bit
+    with the CP baseline (megatron's layer running the same ring op after op)."""
+    from test_context_parallel import _random_plan as cp_plan
+    from train_fns import train_result
+    kw = dict(config="tiny-llama", train_iters=4, seq_length=64, micro_batch_size=2,
+              data="synthetic", global_batch_size=6, tensor_model_parallel_size=tp,
+              sequence_parallel=tp > 1, context_parallel_size=cp, checksums=True)
+    base = run_ranks(train_result, tp * cp, timeout=600, **kw)
+    for seed in seeds:
+        plan = cp_plan(tmp_path, seed, tp, tp > 1, cp)
+        dh = run_ranks(train_result, tp * cp, timeout=600, **kw,
+                       dhelix={"enabled": True, "pair_last": True, "plan": plan})
+        assert same_runs(dh, base) == 0.0

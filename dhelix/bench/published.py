@@ -115,8 +115,8 @@ def small_config(row: Row, layers: int, work: str) -> str:
 
 
 def tail_row(row: Row) -> bool:
-    """Whether `--dhelix-pair-last` runs on the row's layout (PP, CP and EP 1)."""
-    return row.pp == 1 and row.cp == 1 and row.ep == 1
+    """Whether `--dhelix-pair-last` runs on the row's layout (PP and EP 1)."""
+    return row.pp == 1 and row.ep == 1
 
 
 def bench_options(row: Row, o: TableOptions, work: str):

@@ -15,7 +15,7 @@ CHUNKS = "dhelix-chunks"
 # with --dhelix-keep-gathered: the planned run whose layers keep the forward's gathered
 # inputs for the weight gradients (no backward re-gathers), planned from the same table
 KEEP = "dhelix-keep"
-# --dhelix-pair-last (B(N−1) ∥ B(N)): offered with PP, CP and EP 1, run when --methods
+# --dhelix-pair-last (B(N−1) ∥ B(N)): offered with PP and EP 1, run when --methods
 # names it
 LAST = "dhelix-last"
 # MoE: the intra-batch peer splits dense layers only; megatron's own fwd∥bwd overlap for

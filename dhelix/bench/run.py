@@ -312,10 +312,9 @@ def run_bench(a: BenchOptions) -> int:
             return 2
     methods = methods + (CHUNKS,) * chunked + (KEEP,) * bool(a.dhelix_keep_gathered)
     if a.methods:
-        # the paired tail runs only when asked for (PP, CP and EP 1)
+        # the paired tail runs only when asked for (PP and EP 1)
         offered = methods + (LAST,) * (a.pipeline_model_parallel_size == 1 and
-                                       a.expert_model_parallel_size == 1 and
-                                       a.context_parallel_size == 1)
+                                       a.expert_model_parallel_size == 1)
         keep = [m.strip() for m in a.methods.split(",") if m.strip()]
         unknown = [m for m in keep if m not in offered]
         if unknown or methods[0] not in keep:

@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
                    help="no runs: the simulators' table for the rows as they would run "
                         "(simulated.md, simulated.json in --out), in seconds")
     p.add_argument("--pair-last", action="store_true",
-                   help="the rows without PP, CP and EP run DHelix with --dhelix-pair-last "
+                   help="the rows without PP and EP run DHelix with --dhelix-pair-last "
                         "(B(N-1) ∥ B(N): less DP traffic exposed, one more micro-batch's "
                         "activations); --simulate shows both either way")
     p.set_defaults(func=run)

@@ -169,19 +169,17 @@ def check_dhelix_args(args) -> None:
 
 
 def _check_pair_last(args, fold: bool) -> None:
-    """--dhelix-pair-last: the dense layers of the schedule without PP (TP/SP/DP, the
+    """--dhelix-pair-last: the dense layers of the schedule without PP (TP/SP/CP/DP, the
     distributed optimizer), where it is checked against megatron."""
     if not getattr(args, "dhelix_pair_last", False):
         return
-    cp = getattr(args, "context_parallel_size", 1) or 1
     bad = [flag for flag, yes in (
         ("--dhelix-fold", fold), ("--num-experts", bool(getattr(args, "num_experts", None))),
-        (f"--context-parallel-size {cp}", cp > 1),
         ("--recompute-granularity", bool(getattr(args, "recompute_granularity", None))),
         ("--dhelix-halves", bool(getattr(args, "dhelix_halves", False)))) if yes]
     if bad:
         raise DHelixArgError(f"--dhelix-pair-last pairs the last two backwards of dense "
-                             f"layers (TP/SP/DP); not built with {', '.join(bad)} (drop "
+                             f"layers (TP/SP/CP/DP); not built with {', '.join(bad)} (drop "
                              f"--dhelix-pair-last)")
 
 

@@ -132,18 +132,19 @@ def check_layout(cfg: TrainConfig, m: ModelConfig, world: int) -> Layout:
     # the two ways of changing B(N), the backward without a partner: dense layers only
     for key, what in (("halves", "splits the dense layers of DHelix's B(N)"),
                       ("pair_last", "pairs the dense layers of DHelix's B(N-1) and B(N)")):
+        # (the pair runs the CP ring as it is; the halves would split its sequence)
         if not cfg.dhelix.get(key):
             continue
         bad = [what for what, yes in (("--dhelix-fold", fold_layers), ("a MoE model",
                bool(m.num_experts or cfg.num_experts)), (f"--context-parallel-size {cp}",
-               cp > 1), ("--dhelix-peer", bool(cfg.dhelix.get("peer"))),
+               cp > 1 and key == "halves"), ("--dhelix-peer", bool(cfg.dhelix.get("peer"))),
                ("--recompute-granularity", key == "pair_last" and
                 bool(cfg.recompute_granularity)),
                ("--dhelix-halves", key == "pair_last" and bool(cfg.dhelix.get("halves"))))
                if yes]
         if not cfg.dhelix.get("enabled") or bad:
             raise ConfigError(f"--dhelix-{key.replace('_', '-')} {what} (with --dhelix, "
-                              f"TP/SP/DP); not built with "
+                              f"TP/SP/{'CP/' if key == 'pair_last' else ''}DP); not built with "
                               f"{', '.join(bad) or 'megatron (add --dhelix)'}")
     vpp = 1
     if fold_layers:
