@@ -8,16 +8,16 @@ equal bit for bit (`compare.same_runs` with tolerance 0: `==` on every loss and 
 a NaN fails).
 
 What runs against megatron's schedule, every comparison at tolerance 0:
-  - 20 steps, the built-in paired plan: tiny TP=2+SP on 2 ranks (1, 3, 4, 8 micro-batches;
+  - 10 steps, the built-in paired plan: tiny TP=2+SP on 2 ranks (1, 3, 4, 8 micro-batches;
     also the eval loss after training, every rank); tiny TP=2+SP × DP=2 on 4 ranks (1
     micro-batch); tiny-llama TP=2 × DP=2 with overlapped grad reduce (3 micro-batches);
-  - 20 steps, 5 random legal plans from files: tiny TP=2+SP × DP=2 (seeds 1, 2 at 3, 4
+  - 10 steps, 5 random legal plans from files: tiny TP=2+SP × DP=2 (seeds 1, 2 at 3, 4
     micro-batches) and tiny-llama TP=2+SP on 2 ranks (seeds 1, 2, 3, 3 micro-batches);
-  - 6 steps, many random legal plans, each a whole run, all in ONE `run_ranks` spawn
+  - 4 steps, many random legal plans, each a whole run, all in ONE `run_ranks` spawn
     (`train_fns.train_random_plans` calls `train()` once per plan in one process group):
-    32 distinct plans for tiny-llama TP=2+SP on 2 ranks and 12 distinct plans for tiny
+    16 distinct plans for tiny-llama TP=2+SP on 2 ranks and 8 distinct plans for tiny
     TP=2+SP × DP=2 on 4 ranks (3 micro-batches each); the in-process baseline is run
-    twice (bit-identical) and equals the fresh-process 20-step baseline's first 6 steps;
+    twice (bit-identical) and equals the fresh-process 10-step baseline's first 4 steps;
   - evaluation apart from training (tiny and tiny-llama, TP=2+SP, 2 ranks): both
     schedules load the SAME checkpoint and evaluate 2 steps of 3 micro-batches; every
     micro-batch's eval loss on every rank is equal, and under `--dhelix` eval is checked
@@ -34,10 +34,10 @@ from dhelix.testing import run_ranks
 from compare import Mismatch, same_checksums, same_numbers, same_runs
 from train_fns import eval_from_checkpoint, train_random_plans, train_result
 
-STEPS = 20
-MANY_STEPS = 6          # steps per plan in the many-plan runs
-MANY_PLANS_TP2_SP = 32  # random legal plans, tiny-llama TP=2+SP on 2 ranks
-MANY_PLANS_TP2_DP2 = 12  # random legal plans, tiny TP=2+SP × DP=2 on 4 ranks
+STEPS = 10
+MANY_STEPS = 4          # steps per plan in the many-plan runs
+MANY_PLANS_TP2_SP = 16  # random legal plans, tiny-llama TP=2+SP on 2 ranks
+MANY_PLANS_TP2_DP2 = 8  # random legal plans, tiny TP=2+SP × DP=2 on 4 ranks
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +61,7 @@ def _random_plan(tmp_path, config, seed, mbs, rotation=0, mlp_chunks=1, keep_gat
 
 @pytest.mark.parametrize("nmb", [1, 3, 4, 8])
 def test_tp2_sp_matches_baseline(nmb):
-    """tiny, TP=2+SP, 2 ranks, the built-in paired plan, 20 steps: `same_runs` at
+    """tiny, TP=2+SP, 2 ranks, the built-in paired plan, 10 steps: `same_runs` at
     tolerance 0. Then 2 eval steps after training, every rank's eval loss `==`: both
     schedules evaluate with the same code (megatron's forward_backward_no_pipelining;
     a DHelix layer outside a DHelix step is megatron's TransformerLayer.forward), so with
@@ -83,7 +83,7 @@ def test_tp2_sp_matches_baseline(nmb):
 def test_mlp_chunks_train_like_baseline(tmp_path, nmb, rotation):
     """`--dhelix-mlp-chunks 2` (each layer's MLP forward in two token chunks, the chunks'
     all-gathers and reduce-scatters in the chains), tiny TP=2+SP, a random plan of the
-    chunked layer (rotated by 3 at 3 micro-batches), 20 steps: megatron's run bit for bit
+    chunked layer (rotated by 3 at 3 micro-batches), 10 steps: megatron's run bit for bit
     (`same_runs` at tolerance 0: losses, every step's gradient checksums, final weights)."""
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=STEPS, micro_batch_size=2, global_batch_size=2 * nmb)
@@ -98,7 +98,7 @@ def test_mlp_chunks_train_like_baseline(tmp_path, nmb, rotation):
 def test_kept_gathers_train_like_baseline(tmp_path, config, nmb, rotation, keep):
     """`--dhelix-keep-gathered [PARTS]` (the forward's gathered inputs kept for the
     wgrads, no backward re-gathers, of both parts or the one named), TP=2+SP, a random
-    plan of that layer (some rotated), 20 steps: megatron's run bit for bit (`same_runs`
+    plan of that layer (some rotated), 10 steps: megatron's run bit for bit (`same_runs`
     at tolerance 0)."""
     kw = dict(config=config, tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=STEPS, micro_batch_size=2, global_batch_size=2 * nmb)
@@ -166,7 +166,7 @@ def test_halves_need_an_even_micro_batch():
 
 @pytest.mark.parametrize("nmb,plan_seed", [(1, None), (3, 1), (4, 2)])
 def test_tp2_dp2_matches_baseline(tmp_path, nmb, plan_seed):
-    """tiny, TP=2+SP × DP=2 (4 ranks), 20 steps: the built-in paired plan, or a random
+    """tiny, TP=2+SP × DP=2 (4 ranks), 10 steps: the built-in paired plan, or a random
     legal plan from a file (seeds 1, 2); `same_runs` at tolerance 0."""
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=STEPS, micro_batch_size=1, global_batch_size=2 * nmb)
@@ -190,7 +190,7 @@ def test_overlap_grad_reduce_untied_llama_is_bit_identical(tmp_path):
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_random_plans_train_like_baseline(tmp_path, seed):
-    """tiny-llama, TP=2+SP, 2 ranks, 3 micro-batches of 2, 20 steps, a random legal plan
+    """tiny-llama, TP=2+SP, 2 ranks, 3 micro-batches of 2, 10 steps, a random legal plan
     from a file (seeds 1, 2, 3): `same_runs` at tolerance 0."""
     kw = dict(config="tiny-llama", tensor_model_parallel_size=2, sequence_parallel=True,
               train_iters=STEPS, global_batch_size=6)
@@ -209,7 +209,7 @@ def _check_many_plans(r, n, fresh):
     """The results of `train_random_plans` (one per rank) against its own baseline: `n`
     distinct plans, each the plan its layers ran, each run `same_runs` at tolerance 0
     (every failing plan is named). The in-process baseline is repeatable (run before and
-    after the plans: bit-identical) and equals the fresh-process 20-step baseline `fresh`
+    after the plans: bit-identical) and equals the fresh-process 10-step baseline `fresh`
     over its first MANY_STEPS steps (losses and gradient checksums, tolerance 0): calling
     `train()` again in one process changes nothing."""
     base = [x["baseline"] for x in r]
@@ -242,8 +242,8 @@ def _check_many_plans(r, n, fresh):
 
 
 def test_many_random_plans_tp2_sp(tmp_path):
-    """tiny-llama, TP=2+SP, 2 ranks, 3 micro-batches of 2: 32 distinct random legal plans
-    (seeds 100-131), each a 6-step run in one spawn, `same_runs` against megatron's
+    """tiny-llama, TP=2+SP, 2 ranks, 3 micro-batches of 2: 16 distinct random legal plans
+    (seeds 100-115), each a 4-step run in one spawn, `same_runs` against megatron's
     schedule at tolerance 0."""
     kw = dict(config="tiny-llama", tensor_model_parallel_size=2, sequence_parallel=True,
               global_batch_size=6)
@@ -255,8 +255,8 @@ def test_many_random_plans_tp2_sp(tmp_path):
 
 
 def test_many_random_plans_tp2_dp2(tmp_path):
-    """tiny, TP=2+SP × DP=2, 4 ranks, 3 micro-batches of 1: 12 distinct random legal
-    plans (seeds 200-211), each a 6-step run in one spawn, `same_runs` against megatron's
+    """tiny, TP=2+SP × DP=2, 4 ranks, 3 micro-batches of 1: 8 distinct random legal
+    plans (seeds 200-207), each a 4-step run in one spawn, `same_runs` against megatron's
     schedule at tolerance 0."""
     kw = dict(config="tiny", tensor_model_parallel_size=2, sequence_parallel=True,
               micro_batch_size=1, global_batch_size=6)
