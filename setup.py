@@ -35,8 +35,9 @@ setup(
         # the test suite also imports Megatron-LM's training code (megatron.training needs
         # these beside megatron-core)
         # (pybind11: scripts/install_megatron_core.py builds megatron's dataset helper)
-        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "hypothesis", "six", "regex", "triton",
-                 "pydantic", "pybind11"],
+        # (pytest-xdist: CI runs the suite's files on two workers, `.ci/run`)
+        "test": ["pytest>=7", "pytest-timeout", "pytest-xdist", "hypothesis", "six",
+                 "regex", "triton", "pydantic", "pybind11"],
         "megatron-lm": ["six", "regex", "triton", "pydantic"],
         "gpu": ["transformer-engine", "apex"],
     },
