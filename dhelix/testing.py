@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -52,7 +53,9 @@ def _rank_main(fn, args, kwargs, rank, world, port, env, q, caller_env):
         from dhelix.train.dist import init_distributed
         init_distributed(timeout_s=float(os.environ.get("DHELIX_PG_TIMEOUT", "60")))
         result = fn(*args, **kwargs)
-        q.put((rank, "ok", result))
+        # by value: through the queue torch would share a tensor's storage by a file
+        # descriptor that this process must still be alive to hand over
+        q.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report everything, including SystemExit from argparse
         q.put((rank, "error", traceback.format_exc()))
     finally:
@@ -126,7 +129,7 @@ def run_ranks(fn: Callable, nranks: int, *args, timeout: float = 120.0,
                     raise RankError(f"rank {dead} died with exit code {procs[dead].exitcode} "
                                     f"before reporting; rank {rank} then failed:\n{payload}")
                 raise RankError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             if p.is_alive():
