@@ -119,7 +119,7 @@ def test_bucketing_equals_eager_and_merges_where_it_pays(kind, tiles, link):
 
 @pytest.mark.parametrize("tiles,link,share", [(2, "paced:1gbit,5ms", None),
                                                (2, "paced:1gbit,50us", 0.0),
-                                               (4, "paced:1gbit,20us", 0.5)])
+                                               (4, "paced:300mbit,20us", 0.5)])
 def test_bucketing_dp_chooses_as_well_as_trying_every_subset(tiles, link, share):
     """The dynamic program's choice has the least simulated makespan among all 2^N
     subsets that fit the budget (budget: none, the smallest peak, half-way up), while
