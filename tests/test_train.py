@@ -104,6 +104,31 @@ def test_deadlock_times_out():
         run_ranks(_deadlock, 2, timeout=15, env={"DHELIX_PG_TIMEOUT": "300"})
 
 
+def test_free_port_is_below_the_ephemeral_range():
+    """A job's store port comes from below the kernel's ephemeral range (a port the kernel
+    hands out may be taken by another job's gloo connection before rank 0 binds it), is
+    free, and two picks rarely agree."""
+    import socket
+    from dhelix.train.dist import _ephemeral_low, free_port
+    low = _ephemeral_low()
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= p < low for p in ports), (ports, low)
+    assert len(set(ports)) > 10, ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))
+
+
+def test_log_tail_quotes_the_failed_runs_last_lines(tmp_path):
+    """A bench's 'ranks failed' error quotes the ranks' log (the failed run's own words)."""
+    from dhelix.train.dist import log_tail
+    log = tmp_path / "runs.log"
+    log.write_text("".join(f"line {i}\n" for i in range(40)) + "RuntimeError: address in use\n")
+    tail = log_tail(str(log), lines=3)
+    assert tail.splitlines()[1:] == ["    line 38", "    line 39",
+                                     "    RuntimeError: address in use"]
+    assert log_tail(str(tmp_path / "missing.log")) == ""
+
+
 @pytest.mark.parametrize("start", ["forkserver", "spawn"])
 def test_ranks_see_the_callers_environment_at_the_call(start, monkeypatch):
     # the fork server's own environment is frozen at its start; a variable set later by

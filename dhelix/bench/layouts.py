@@ -169,10 +169,11 @@ def run_layouts(o: LayoutsOptions) -> int:
 
 
 def _spawn(spawn_local, nproc, argv, prefix, env, log):
+    from dhelix.train.dist import log_tail
     rc = spawn_local(nproc, argv, prefix=prefix, extra_env=env, timeout_s=1800, log=log)
     if rc != 0:
         raise RuntimeError(f"dhelix {' '.join(argv)} --nproc {nproc}: ranks failed (exit "
-                           f"{rc}); see {log}")
+                           f"{rc}); see {log}; its last lines:{log_tail(log)}")
 
 
 def _row(row: LayoutRow, res: dict) -> dict:

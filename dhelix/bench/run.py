@@ -255,7 +255,7 @@ def _profile(a, cfg, out_table, nproc, chunks, prefix, env, log, what) -> None:
     processes of their own, merged to each entry's smallest median (`min_of_runs`:
     some rank processes run the MLP's ops 2-5x slower for a whole profile here)."""
     from dhelix.planner.costs import merge_run_files
-    from dhelix.train.dist import spawn_local
+    from dhelix.train.dist import log_tail, spawn_local
     runs = max(1, a.profile_runs)
     stem = os.path.splitext(out_table)[0]
     paths = [out_table] if runs == 1 else [f"{stem}.run{k + 1}.json" for k in range(runs)]
@@ -263,7 +263,8 @@ def _profile(a, cfg, out_table, nproc, chunks, prefix, env, log, what) -> None:
         rc = spawn_local(nproc, _profile_argv(a, cfg, path, chunks), prefix=prefix,
                          extra_env=env, timeout_s=3600, log=log)
         if rc != 0:
-            raise RuntimeError(f"{what}: dhelix profile failed (exit {rc}); see {log}")
+            raise RuntimeError(f"{what}: dhelix profile failed (exit {rc}); see {log}; its "
+                               f"last lines:{log_tail(log)}")
     if runs > 1:
         merge_run_files(paths, out_table)
 
@@ -284,7 +285,7 @@ def run_bench(a: BenchOptions) -> int:
     from dhelix.links import LinkError, launch
     from dhelix.links.tbf import NetnsError
     from dhelix.strand.trace import trace_files
-    from dhelix.train.dist import spawn_local
+    from dhelix.train.dist import log_tail, spawn_local
 
     try:
         links = [parse_link(l, "--links") for l in _split_links(a.links)]
@@ -342,7 +343,8 @@ def run_bench(a: BenchOptions) -> int:
                                          extra_env=env, timeout_s=600, log=log)
                         if rc != 0:
                             raise RuntimeError(f"{cfg}: the initial checkpoint failed (exit "
-                                               f"{rc}); see {log}")
+                                               f"{rc}); see {log}; its last lines:"
+                                               f"{log_tail(log)}")
                     if emu:        # the cost source is the emulated cluster's file
                         cluster = ""
                     elif profile:
@@ -378,7 +380,7 @@ def run_bench(a: BenchOptions) -> int:
                                 raise RuntimeError(
                                     f"{cfg} {link} {method}: ranks failed (exit {rc}); see "
                                     f"{log}; the run was: dhelix {' '.join(train_argv)} "
-                                    f"--nproc {a.nproc}")
+                                    f"--nproc {a.nproc}; the log's last lines:{log_tail(log)}")
                             with open(out) as f:
                                 r = json.load(f)
                             bad = report.loss_mismatch(method, r, methods[0],

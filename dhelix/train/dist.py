@@ -61,9 +61,35 @@ def init_distributed(timeout_s: float = 120.0) -> DistInfo:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port for a job's store, below the kernel's ephemeral range: a port
+    the kernel hands out (bind to 0) is released before rank 0's store binds it, and any
+    other job's gloo connections may take it in between ('address already in use', rank 0
+    dead before its first iteration); ports below the range are only ever taken on
+    purpose. Random, so two launchers starting together rarely pick the same one."""
+    import random
+    low = _ephemeral_low()
+    pick = random.SystemRandom()
+    first = max(1024, low - 20000)
+    for _ in range(64 if first < low else 0):
+        port = pick.randrange(first, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:      # all taken: the kernel's choice, race and all
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: 32768 by default)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
@@ -171,6 +197,17 @@ def spawn_local(nproc: int, argv: List[str], timeout_s: Optional[float] = None,
         raise LauncherStopped(interrupted, len(procs))
     # a rank killed by a signal: the shell convention, 128 + signal
     return 128 - rc if rc < 0 else rc
+
+
+def log_tail(log: str, lines: int = 15) -> str:
+    """The last `lines` lines of a ranks' log (`spawn_local(log=...)`), indented, for an
+    error message: the failed run's own words, not just where to find them."""
+    try:
+        with open(log, errors="replace") as f:
+            tail = f.read()[-20000:].splitlines()[-lines:]
+    except OSError:
+        return ""
+    return "".join(f"\n    {line}" for line in tail)
 
 
 class LauncherStopped(SystemExit):
