@@ -3,7 +3,8 @@
 Asserted: every enumerated layout is legal by megatron's rules and fills the GPUs; the
 pipeline prices of long steps (simulated short and extended along the schedule's period)
 equal the full simulation; a rank's weights are what megatron's GPT allocates (counted
-from a real model); DHelix's PP = 1 step keeps one layer more than megatron's; the CLI
+from a real model); DHelix's PP = 1 step keeps one layer more than megatron's, with the
+paired tail L more, priced as the whole-step simulator prices it; the CLI
 writes the table, the picture, a plan that validates against the chosen layout's layer,
 a command and an sbatch file with that layout's flags, ranks the fitting layouts by
 tokens/s; bad input is one message each.
@@ -38,12 +39,15 @@ def test_layouts_are_legal(config, gpus):
             if lo.schedule == "interleaved":
                 assert lo.microbatches % lo.pp == 0
         else:
-            assert lo.schedule in ("megatron", "dhelix")
+            assert lo.schedule in ("megatron", "dhelix", "pair-last")
+            if lo.schedule == "pair-last":   # --dhelix-pair-last's own refusals
+                assert not m.num_experts and not lo.recompute and lo.microbatches >= 2
         if m.num_experts:
             assert m.num_experts % lo.ep == 0 and lo.dp % lo.ep == 0 and lo.cp == 1
         else:
             assert lo.ep == 1
     assert {lo.ep for lo in got} > {1} if load_model_config(config).num_experts else True
+    assert any(lo.schedule == "pair-last" for lo in got) == (not m.num_experts)
 
 
 def test_long_pipelines_priced_as_simulated():
@@ -92,6 +96,33 @@ def test_dhelix_keeps_one_layer_more_at_pp1():
     assert dh.layers_s < meg.layers_s          # the paired steps overlap the TP collectives
     rc = p.price(Layout(8, 1, 1, 8, 1, 1, 8, "megatron", True))
     assert rc.memory["activations"] < meg.memory["activations"] and rc.step_s > meg.step_s
+
+
+def test_pair_last_priced_as_the_whole_step_simulator():
+    """`pair-last` (--dhelix-pair-last): L·(2f + (N−2)·pair + tail), the tail the whole-step
+    simulator's B(N−1) ∥ B(N) layer; the DP reduce-scatter hides behind the L tail layers
+    instead of B(N)'s; twice megatron's activations; its command carries the flag."""
+    from dhelix.advise.price import Pricer
+    from dhelix.advise.report import megatron_flags
+    from dhelix.planner.costmodel import load_cluster
+    from dhelix.planner.costs import StepExtras
+    from dhelix.planner.whole_step import simulate_step
+    m = load_model_config("llama-8b")
+    p = Pricer(m, load_cluster("configs/clusters/a40.yaml"), 4096, 256)
+    lo = {s: Layout(4, 1, 1, 16, 1, 1, 16, s, False) for s in ("megatron", "dhelix",
+                                                                "pair-last")}
+    meg, dh, last = (p.price(lo[s]) for s in ("megatron", "dhelix", "pair-last"))
+    ops, table, plan, lc, _ = p.layer(lo["pair-last"])
+    L, N = m.num_layers, 16
+    w = simulate_step(ops, plan, table, L, N, StepExtras(0, 0, 0, 0, 0, 0, L),
+                      pair_last=True)
+    assert last.layers_s == pytest.approx(L * (2 * lc.f + (N - 2) * lc.pair + w.layer_tail_s))
+    assert w.layer_tail_s < 2 * lc.b             # the two backwards overlap
+    assert last.dp_s < dh.dp_s                   # more work behind the last gradients
+    saved = p._costs(lo["megatron"]).saved
+    assert last.memory["activations"] - meg.memory["activations"] == pytest.approx(L * saved)
+    assert "--dhelix-pair-last" in megatron_flags("llama-8b", lo["pair-last"], 4096, 256, m)
+    assert "--dhelix-pair-last" not in megatron_flags("llama-8b", lo["dhelix"], 4096, 256, m)
 
 
 def test_advise_writes_the_table_plan_and_commands(tmp_path):

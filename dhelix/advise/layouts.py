@@ -5,7 +5,9 @@ which micro-batch, pipeline schedule and recomputation — megatron's rules, as 
          the FFN width, and the KV groups (or divided by them); sequence parallel with it
     CP   1, 2, 4, 8 with the sequence split into 2·CP chunks (and SP's TP split of each)
     PP   L a multiple of 2·PP; 1F1B, interleaved (two model chunks per stage) or the
-         DHelix fold (two half-stages); PP = 1: megatron's order or DHelix's paired step
+         DHelix fold (two half-stages); PP = 1: megatron's order, DHelix's paired step, or
+         DHelix's with the paired tail (`--dhelix-pair-last`: dense, 2+ micro-batches, no
+         recomputation)
     DP   what is left: GPUs / (TP·CP·PP)
     EP   MoE: a divisor of the experts and of DP (expert TP 1; `dhelix train`'s rule: the
          EP groups are carved from the DP ranks); MoE layouts keep CP 1 (DHelix's MoE
@@ -24,7 +26,7 @@ from typing import Iterator, List
 MEGATRON, DHELIX = "megatron", "dhelix"
 # pipeline schedule -> whose it is
 SCHEDULES = {"megatron": MEGATRON, "1f1b": MEGATRON, "interleaved": MEGATRON,
-             "dhelix": DHELIX, "fold": DHELIX}
+             "dhelix": DHELIX, "pair-last": DHELIX, "fold": DHELIX}
 
 
 class AdviseError(ValueError):
@@ -40,7 +42,7 @@ class Layout:
     ep: int
     mbs: int                   # micro-batch size
     microbatches: int          # per step and DP rank
-    schedule: str              # megatron | dhelix (PP = 1); 1f1b | interleaved | fold
+    schedule: str              # megatron | dhelix | pair-last (PP = 1); 1f1b | interleaved | fold
     recompute: bool            # full recomputation of every layer
 
     @property
@@ -97,14 +99,15 @@ def enumerate_layouts(m, gpus: int, gpus_per_node: int, seq_length: int,
                         if global_batch_size % (mbs * dp):
                             continue
                         n = global_batch_size // (mbs * dp)
-                        for sched in _schedules(L, pp, n):
+                        for sched in _schedules(L, pp, n, bool(m.num_experts)):
                             for rc in recompute:
-                                yield Layout(tp, cp, pp, dp, ep, mbs, n, sched, rc)
+                                if not (rc and sched == "pair-last"):
+                                    yield Layout(tp, cp, pp, dp, ep, mbs, n, sched, rc)
 
 
-def _schedules(L: int, pp: int, n: int) -> List[str]:
-    if pp == 1:
-        return ["megatron", "dhelix"]
+def _schedules(L: int, pp: int, n: int, moe: bool) -> List[str]:
+    if pp == 1:     # --dhelix-pair-last: dense layers, 2+ micro-batches, no recomputation
+        return ["megatron", "dhelix"] + (["pair-last"] if n >= 2 and not moe else [])
     if n < pp:
         return []
     return ["1f1b"] + (["interleaved"] if n % pp == 0 else []) + ["fold"]

@@ -9,7 +9,9 @@ Time of one step (each term in `Prediction`):
   layers     PP = 1: megatron L·N·(f + b); DHelix L·(f + b + (N−1)·pair) — F(1) alone,
              N−1 paired steps, B(N) alone (`planner/whole_step.py`'s formula), where f, b
              are one layer's forward and backward alone and pair one planned layer pair
-             (`LayerCosts.from_plan`: the layer simulator on the DP planner's plan).
+             (`LayerCosts.from_plan`: the layer simulator on the DP planner's plan);
+             `--dhelix-pair-last` L·(2f + (N−2)·pair + tail), tail one layer of
+             B(N−1) ∥ B(N) (`planner.tiles`).
              PP > 1: the pipeline simulator's makespan (1F1B, interleaved with two chunks
              per stage, the fold), the P2P message over the stage boundary's link.
              Full recomputation adds a layer forward to every backward (and pair).
@@ -17,7 +19,8 @@ Time of one step (each term in `Prediction`):
              GEMMs), on the last stage (the fold: stage 0), not overlapped.
   dp         the distributed optimizer's gradient reduce-scatter (fp32 main grads) and
              parameter all-gather (bf16) over DP×CP (experts: over their expert-DP
-             group), less what overlaps the stage's last backward / first forward.
+             group), less what overlaps the stage's last backward (the paired tail's
+             two) / first forward.
   optimizer  Adam on the rank's shard: ~36 bytes of memory traffic per parameter at the
              cluster's memory bandwidth (0 when the file does not give one).
 
@@ -25,7 +28,7 @@ Memory per GPU (the busiest stage): bf16 weights, fp32 main grads, the optimizer
 master weights and Adam moments sharded over DP (`dtype="fp32"`, as CPU runs train: fp32
 weights and grads, Adam's two moments sharded, no master copy), the activations the schedule keeps at
 its peak (the pipeline simulator's per-stage peak; PP = 1: L layers of one micro-batch
-for megatron, L + 1 for DHelix's two strands; recomputation keeps layer inputs), the
+for megatron, L + 1 for DHelix's two strands, 2L with the paired tail; recomputation keeps layer inputs), the
 layer step's transients, and the head's fp32 logits and inputs.
 """
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Pricer:
         self.gpn = gpus_per_node(cluster)
         self._layers: Dict[tuple, tuple] = {}
         self._pipes: Dict[tuple, dict] = {}
+        self._tails: Dict[tuple, float] = {}
         self._plans: Dict[tuple, object] = {}
         self.planned = 0                  # DP planner runs
 
@@ -164,6 +168,9 @@ class Pricer:
         if lo.pp == 1:
             if lo.schedule == "megatron":
                 return L * N * (lc.f + lc.b), L * lc.saved + lc.transient
+            if lo.schedule == "pair-last":      # two micro-batches held from F(2) on
+                return L * (2 * lc.f + (N - 2) * lc.pair + self._tail(lo)), \
+                    2 * L * lc.saved + lc.transient
             return L * (lc.f + lc.b + (N - 1) * lc.pair), (L + 1) * lc.saved + lc.transient
         key = (lo.tp, lo.cp, lo.ep, lo.mbs, lo.recompute, lo.pp, N,
                _lane(2 * lo.tp * lo.cp * lo.dp, self.gpn))
@@ -178,6 +185,16 @@ class Pricer:
         r = res[{"1f1b": "megatron-1f1b", "interleaved": "megatron-interleaved",
                  "fold": "dhelix-fold"}[lo.schedule]]
         return r[0], r[1] + lc.transient
+
+    def _tail(self, lo: Layout) -> float:
+        """One layer of `--dhelix-pair-last`'s B(N−1) ∥ B(N): the two backward walks'
+        ops tiled on the lanes (`planner.tiles`, as `whole_step` prices it)."""
+        key = (lo.tp, lo.cp, lo.ep, lo.mbs)
+        if key not in self._tails:
+            from dhelix.planner.tiles import tiles_makespan
+            ops, table = self.layer(lo)[:2]
+            self._tails[key] = tiles_makespan(ops, table, "bwd", share=1.0)
+        return self._tails[key]
 
     def _head(self, lo: Layout) -> Tuple[float, float]:
         """(output layer + loss seconds per micro-batch, what it keeps: the fp32 logits,
@@ -220,7 +237,10 @@ class Pricer:
         ag = coll("all_gather", params["dense"] * 2, n_dense) + \
             coll("all_gather", params["experts"] * 2, n_exp)
         per = self.m.num_layers // lo.pp
-        return max(0.0, rs - per * lc.b) + max(0.0, ag - per * lc.f)
+        # a bucket reduces once the last backward has passed its layer: behind B(N) alone,
+        # or (the paired tail) behind B(N−1) ∥ B(N)
+        behind = self._tail(lo) if lo.schedule == "pair-last" else lc.b
+        return max(0.0, rs - per * behind) + max(0.0, ag - per * lc.f)
 
     def _shard(self, lo: Layout, params: Dict[str, float]) -> float:
         """Parameters in the rank's distributed-optimizer shard."""

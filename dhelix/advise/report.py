@@ -69,8 +69,14 @@ def megatron_flags(m_name: str, lo, seq: int, gbs: int, m) -> List[str]:
     if m.num_experts:
         f += ["--num-experts", m.num_experts, "--moe-router-topk", m.moe_router_topk]
     if lo.who == "dhelix":
-        f += ["--dhelix"] + (["--dhelix-fold"] if lo.schedule == "fold" else [])
+        f += ["--dhelix"] + _schedule_flags(lo)
     return [str(x) for x in f]
+
+
+def _schedule_flags(lo) -> List[str]:
+    """DHelix's schedule flags for a layout (besides --dhelix)."""
+    return {"fold": ["--dhelix-fold"], "pair-last": ["--dhelix-pair-last"]}.get(
+        lo.schedule, [])
 
 
 def command(m_name, lo, seq, gbs, m, plan_path: Optional[str]) -> str:
@@ -143,6 +149,5 @@ def train_flags(lo, m_name: str, m, seq: int, gbs: int, cluster_path: str) -> Li
     f = ["--config", m_name, "--seq-length", seq, "--micro-batch-size", lo.mbs,
          "--global-batch-size", gbs] + layout_flags(lo, m)
     if lo.who == "dhelix":
-        f += ["--dhelix", "--dhelix-cluster", cluster_path] + \
-            (["--dhelix-fold"] if lo.schedule == "fold" else [])
+        f += ["--dhelix", "--dhelix-cluster", cluster_path] + _schedule_flags(lo)
     return [str(x) for x in f]

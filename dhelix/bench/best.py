@@ -23,7 +23,7 @@ from dhelix.bench.published import Row, TableOptions, bench_options, run_dp
 # advise's schedule -> the bench's method
 METHODS = {"megatron": "megatron", "1f1b": "megatron-1f1b",
            "interleaved": "megatron-interleaved", "dhelix": "dhelix-plan",
-           "fold": "dhelix-fold"}
+           "fold": "dhelix-fold", "pair-last": "dhelix-last"}
 
 
 @dataclass(frozen=True)
