@@ -205,6 +205,7 @@ def test_the_output_layer_is_paced_on_both_paths_at_the_emulated_vocabulary():
     ("paced:a40", "", "needs --emulate MODEL"),
     ("paced:a40", "llama-8b,seq=abc", "use seq=S, mbs=B and dp=D"),
     ("fast", "llama-8b", "use paced:CLUSTER[,x=FACTOR]"),
+    ("paced:a40,x=8,warm=16", "llama-8b", "warm=16: the first step's factor is between 1"),
 ])
 def test_bad_flags_are_one_message(compute, emulate, msg):
     from dhelix.train.emulate import EmulationError, parse
@@ -212,6 +213,29 @@ def test_bad_flags_are_one_message(compute, emulate, msg):
                        .replace("(", r"\(")):
         parse(compute, emulate)
     assert parse("none", "") is None
+
+
+def test_the_untimed_first_step_runs_at_the_warm_up_factor():
+    """`paced:CLUSTER,x=F[,warm=W]`: the first step (its time not kept) waits out W/F of
+    every op's emulated time (default W = min(F, 4)); after it, the full time again and
+    the statistics cover only what followed."""
+    import time
+    from dhelix.links import clock
+    from dhelix.train.emulate import Pacer, end_warm_up, parse, warm_up
+    assert parse("paced:a40,x=32", "llama-8b").warm_factor == 4
+    assert parse("paced:a40,x=32,warm=32", "llama-8b").warm_factor == 32
+    assert parse("paced:a40,x=2", "llama-8b").warm_factor == 2
+    pacer = Pacer({"fc1": 0.004})
+    try:
+        warm_up(parse("paced:a40,x=16,warm=2", "llama-8b"))
+        pacer.after("fc1", time.perf_counter())
+        assert pacer.paced_s == pytest.approx(0.004 * 2 / 16) and pacer.counts == {"fc1": 1}
+        end_warm_up(pacer)
+        assert clock.SCALE == 1.0 and pacer.paced_s == 0 and pacer.counts == {}
+        pacer.after("fc1", time.perf_counter())
+        assert pacer.paced_s == pytest.approx(0.004)
+    finally:
+        clock.SCALE = 1.0
 
 
 # ---- dhelix bench at emulated time --------------------------------------------------------

@@ -43,7 +43,8 @@ def peer_wait_per_step(r: dict):
     link = r.get("link") or {}
     if "peer_late_s" not in link:
         return None
-    return (link["peer_late_s"] + link["peer_slot_s"]) / max(len(r["step_times_s"]), 1)
+    steps = link.get("steps", len(r["step_times_s"]))     # the steps its stats cover
+    return (link["peer_late_s"] + link["peer_slot_s"]) / max(steps, 1)
 
 
 def step_time(r: dict) -> float:

@@ -29,6 +29,10 @@ _PR_SET_TIMERSLACK = 29
 # False: plain sleeps with the default slack, as before these waits (for measuring what
 # they buy: scripts/own_cost_inproc.py --ab clock)
 FINE = True
+# paced time runs at this share of its modelled length: below 1 only while an emulated
+# run's untimed first step runs (`train/emulate.py` `warm_up`), so that a warm-up costs a
+# fraction of a timed step; the pacer and the paced link both scale by it
+SCALE = 1.0
 _slack = {}          # thread -> the timer slack set on it
 _OWN = None          # every local rank has a core of its own (`_own_core`)
 

@@ -210,7 +210,7 @@ class PacedLink:
         scale = self.byte_scale.get((id(pg), collective), self.byte_scale.get(id(pg), 1.0))
         dur = collective_seconds(collective, float(nbytes) * scale,
                                  self.group_size.get(id(pg), pg.size()),
-                                 rate / self.share.get(id(pg), 1.0), lat)
+                                 rate / self.share.get(id(pg), 1.0), lat) * clock.SCALE
         with self.lock:
             now = time.perf_counter()
             start = max(now, self.free_at.get(key, 0.0))
@@ -261,6 +261,14 @@ class PacedLink:
         """When the last transfer recorded so far ends (0.0 if none)."""
         with self.lock:
             return self._reach[-1] if self._reach else 0.0
+
+    def reset_stats(self) -> None:
+        """Forget the statistics so far (an emulated run's warm-up step: its waits ran at
+        another scale); the modelled queues stay."""
+        with self.lock:
+            self.modelled_s = self.waited_s = self.late_s = 0.0
+            self.count = self.stretched_ops = 0
+            self.stretched_s = self.stretch_slept_s = 0.0
 
     def charge_stretch(self, extra_s: float) -> None:
         with self.lock:

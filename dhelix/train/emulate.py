@@ -38,6 +38,7 @@ from typing import Dict, Optional
 
 import torch
 
+from dhelix.links import clock
 from dhelix.models.params import grad_scales
 from dhelix.train.emulate_gemms import _ACTIVE, _LOCAL, paced_op  # noqa: F401
 from dhelix.train.emulation_flags import (Emulation, EmulationError, _cluster,  # noqa: F401
@@ -87,7 +88,7 @@ class Pacer:
         """Op `name` (or `share` of it: one expert's GEMM of an expert op) started at
         `t0` and has run: wait out the rest of its emulated time."""
         now = time.perf_counter()
-        d = self.seconds[name] * share
+        d = self.seconds[name] * share * clock.SCALE
         if self.slowdown and self.link is not None:   # as the simulator's pair model
             d += self.slowdown * self.link.busy_seconds(t0, t0 + d)
         self.own_s += now - t0
@@ -301,15 +302,43 @@ def report(pacer: Pacer, emu: Emulation, step_s: float, microbatches: int, dp: i
     tokens = microbatches * dp * (emu.micro_batch_size or micro_batch_size) * \
         (emu.seq_length or seq_length)
     return {"emulate": emu.model, "cluster": emu.cluster, "factor": emu.factor,
+            "warm_factor": emu.warm_factor,     # the first step's (not timed)
             "step_s": step, "tokens_per_s": tokens / step, "own_share": pacer.own_share,
             "overslept_share": pacer.overslept_share,
             "paced_ops": pacer.ops, "paced_compute_s": pacer.paced_s,
             "late_ops": dict(pacer.late), "paced_op_counts": dict(pacer.counts)}
 
 
+def warm_up(emu: Emulation) -> None:
+    """The run's first step, not timed, at the emulation's warm-up factor: every paced wait
+    (ops and collectives) scaled by warm / factor (`clock.SCALE`)."""
+    from dhelix.links import clock
+    clock.SCALE = emu.warm_factor / emu.factor
+
+
+def end_warm_up(pacer: Pacer) -> None:
+    """Back to the emulation's factor, the statistics of the warm-up forgotten (the
+    report covers the timed steps). Called after the first step's forward-backward, before
+    its optimizer step: the parameter gathers that step starts run into the next."""
+    from dhelix.links import clock
+    from dhelix.links.paced import active as active_link
+    from dhelix.links.shm import PEER_WAIT
+    clock.SCALE = 1.0
+    pacer.own_s = pacer.paced_s = pacer.overslept_s = 0.0
+    pacer.ops = 0
+    pacer.late.clear()
+    pacer.counts.clear()
+    link = active_link()
+    if link is not None:
+        link.reset_stats()
+    PEER_WAIT["slot_s"] = 0.0
+
+
 def uninstall() -> None:
+    from dhelix.links import clock
     from dhelix.links.paced import active as active_link
     from dhelix.strand import executor
+    clock.SCALE = 1.0
     executor.PACE = None
     _ACTIVE.pop("pacer", None)
     _ACTIVE.pop("gemm", None)           # the kernel hook stays, passing through

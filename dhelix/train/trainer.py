@@ -210,6 +210,10 @@ def train(cfg: TrainConfig) -> dict:
     exit_check = ExitCheck(cfg, info.device)
     exited = None           # why the run stopped before --train-iters
     end = max(start, cfg.train_iters)
+    # emulated time: the first step (its time not kept) at the warm-up factor
+    warming = pacer is not None and cfg.train_iters - start >= 2
+    if warming:
+        emulate.warm_up(emulate.parse(cfg.compute, cfg.emulate))
     for it in range(start, cfg.train_iters):
         report_progress(it + 1)
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -223,6 +227,9 @@ def train(cfg: TrainConfig) -> dict:
                 num_microbatches=layout.num_microbatches, seq_length=cfg.seq_length,
                 micro_batch_size=cfg.micro_batch_size, forward_only=False)
         act_peaks.append(memory.activation_peak())   # before the optimizer's temporaries
+        if warming:
+            emulate.end_warm_up(pacer)
+            warming = False
         if cfg.checksums:
             grad_sums.append(checksums(chunks, "main_grad"))
         lr = optimizer.lr                  # the rate this step applies
@@ -334,7 +341,7 @@ def train(cfg: TrainConfig) -> dict:
                    "cp": parallel_state.get_context_parallel_rank(),
                    "pp": parallel_state.get_pipeline_model_parallel_rank(),
                    "dp": dp_rank},
-        "link": _link_stats(),
+        "link": _link_stats(len(times) - (pacer is not None and len(times) >= 2)),
         "emulation": None,
     }
     if pacer is not None:
@@ -377,9 +384,10 @@ def progress_clock(elapsed: float, times: List[float], total: int) -> str:
     return f"elapsed {clock(elapsed)} | ETA {clock(per_step * (total - len(times)))}"
 
 
-def _link_stats() -> Optional[dict]:
-    """What the paced link did in this process (None without one): collectives it paced,
-    their modelled seconds, the seconds their waits slept past the data's arrival, and
+def _link_stats(steps: int) -> Optional[dict]:
+    """What the paced link did in this process over its last `steps` steps (an emulated
+    run's warm-up step is forgotten, `emulate.end_warm_up`; None without a link):
+    collectives it paced, their modelled seconds, the seconds their waits slept past the data's arrival, and
     with `slow=` the GEMMs stretched and the seconds charged for them; and the seconds
     it waited for a peer rank, which the link model does not price: for a free
     shared-memory slot at issue (`peer_slot_s`), for data a peer posted after the modelled
@@ -392,7 +400,7 @@ def _link_stats() -> Optional[dict]:
     return {"collectives": link.count, "modelled_s": link.modelled_s,
             "waited_s": link.waited_s, "stretched_ops": link.stretched_ops,
             "stretched_s": link.stretched_s, "peer_slot_s": PEER_WAIT["slot_s"],
-            "peer_late_s": link.late_s}
+            "peer_late_s": link.late_s, "steps": steps}
 
 
 def _per_stage(value, device, dtype=torch.int64) -> list:
