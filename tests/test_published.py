@@ -11,6 +11,11 @@ import sys
 import pytest
 
 
+def dict_ns(ns, **kw):
+    from types import SimpleNamespace
+    return SimpleNamespace(**dict(vars(ns), **kw))
+
+
 def test_published_rows_fit_and_price_the_published_dp():
     """Every published row runs with DP cut to ≤ 32 ranks (the A800 32k row, 64 ranks at
     DP 1, does not fit and says so); `--emulate ...,dp=D` prices the DP reduction of the
@@ -33,8 +38,8 @@ def test_published_rows_fit_and_price_the_published_dp():
     c = _cluster("a40")
     small, big = load_model_config("tiny-llama-emu"), load_model_config("llama-8b")
 
-    def dp_comm(emulate, dist_opt=False, cluster=c):
-        a = SimpleNamespace(nproc=16, tensor_model_parallel_size=4, context_parallel_size=1,
+    def dp_comm(emulate, dist_opt=False, cluster=c, nproc=16):
+        a = SimpleNamespace(nproc=nproc, tensor_model_parallel_size=4, context_parallel_size=1,
                             pipeline_model_parallel_size=1, expert_model_parallel_size=1,
                             compute="paced:a40", emulate=emulate,
                             distributed_optimizer=dist_opt)
@@ -57,6 +62,16 @@ def test_published_rows_fit_and_price_the_published_dp():
     rail = dict(c, nics_per_node=8)
     assert sum(dp_comm("llama-8b,dp=16", True, c).reduce) == pytest.approx(
         4 * sum(dp_comm("llama-8b,dp=16", True, rail).reduce), rel=0.05)
+    # cut to 8 ranks (DP 2), the DP group would sit in one 8-GPU node where DP 16's crosses
+    # nodes: the run's nodes shrink to one TP group each, and the reduction is priced as
+    # at 16 ranks (the NIC, shared by the node's 4 rings)
+    a8 = SimpleNamespace(nproc=8, tensor_model_parallel_size=4, context_parallel_size=1,
+                         pipeline_model_parallel_size=1, compute="paced:a40",
+                         emulate="llama-8b,dp=16")
+    assert emulated.node_ids(a8, c) == [0] * 4 + [1] * 4
+    assert emulated.node_ids(dict_ns(a8, emulate="llama-8b"), c) == [0] * 8
+    assert dp_comm("llama-8b,dp=16", True, nproc=8).reduce == pytest.approx(
+        dp_comm("llama-8b,dp=16", True).reduce, rel=1e-9)
 
 
 def test_dp_traffic_hides_behind_the_alone_micro_batches():

@@ -39,8 +39,18 @@ DEFAULT_CONFIGS = {False: "tiny-llama-emu", True: "tiny-moe-emu"}   # by "has ex
 
 
 def node_ids(a, cluster: dict) -> List[int]:
-    """Each rank's node: `gpus_per_node` ranks per node, in launch order."""
+    """Each rank's node: `gpus_per_node` ranks per node, in launch order. A run whose DP
+    was cut (`--emulate ...,dp=D`) so far that its DP group would sit inside one node,
+    where the published DP's group crosses nodes, runs on smaller nodes instead — TP×CP
+    ranks times at most half its DP — so that its DP group still crosses them: priced on
+    the NIC at the same share (a node's rings, TP×CP), not on the node's links."""
+    from dhelix.train.emulate import parse
     gpn = int(cluster.get("gpus_per_node", 8))
+    tp, cp, _, dp = _sizes(a)
+    emu = parse(a.compute, a.emulate) if getattr(a, "emulate", "") else None
+    published = emu.data_parallel_size if emu else None
+    if published and 1 < dp and tp * cp * dp <= gpn < tp * cp * published:
+        gpn = tp * cp * max(1, min(gpn // (tp * cp), dp // 2))
     return [r // gpn for r in range(a.nproc)]
 
 
