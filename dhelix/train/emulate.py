@@ -312,7 +312,6 @@ def report(pacer: Pacer, emu: Emulation, step_s: float, microbatches: int, dp: i
 def warm_up(emu: Emulation) -> None:
     """The run's first step, not timed, at the emulation's warm-up factor: every paced wait
     (ops and collectives) scaled by warm / factor (`clock.SCALE`)."""
-    from dhelix.links import clock
     clock.SCALE = emu.warm_factor / emu.factor
 
 
@@ -320,7 +319,6 @@ def end_warm_up(pacer: Pacer) -> None:
     """Back to the emulation's factor, the statistics of the warm-up forgotten (the
     report covers the timed steps). Called after the first step's forward-backward, before
     its optimizer step: the parameter gathers that step starts run into the next."""
-    from dhelix.links import clock
     from dhelix.links.paced import active as active_link
     from dhelix.links.shm import PEER_WAIT
     clock.SCALE = 1.0
@@ -335,7 +333,6 @@ def end_warm_up(pacer: Pacer) -> None:
 
 
 def uninstall() -> None:
-    from dhelix.links import clock
     from dhelix.links.paced import active as active_link
     from dhelix.strand import executor
     clock.SCALE = 1.0

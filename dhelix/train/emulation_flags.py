@@ -1,5 +1,6 @@
-"""`--compute paced:CLUSTER[,x=F][,warm=W]` and `--emulate MODEL[,seq=S][,mbs=B][,dp=D]` as plain
-data (`Emulation`), and the cluster they name; the pacing itself is `emulate.py`."""
+"""`--compute paced:CLUSTER[,x=F][,warm=W]` and `--emulate MODEL[,seq=S][,mbs=B][,dp=D]`
+as plain data (`Emulation`), and the cluster they name; the pacing itself is
+`emulate.py`."""
 from __future__ import annotations
 
 import re
