@@ -118,12 +118,12 @@ def test_bucketing_equals_eager_and_merges_where_it_pays(kind, tiles, link):
 
 
 @pytest.mark.parametrize("tiles,link,share", [(2, "paced:1gbit,5ms", None),
-                                               (2, "paced:1gbit,50us", 0.0),
-                                               (4, "paced:300mbit,20us", 0.5)])
+                                               (2, "paced:300mbit,20us", 0.5)])
 def test_bucketing_dp_chooses_as_well_as_trying_every_subset(tiles, link, share):
     """The dynamic program's choice has the least simulated makespan among all 2^N
-    subsets that fit the budget (budget: none, the smallest peak, half-way up), while
-    it simulates fewer of them; on both ranks."""
+    subsets that fit the budget (budget: none, half-way up from the smallest peak; a
+    budget at the smallest peak: test_bucketing_respects_the_memory_budget), while it
+    simulates fewer of them; on both ranks. (Two tiles: four tiles compile for minutes.)"""
     from helix_fns import dp_vs_exhaustive
     for res in run_ranks(dp_vs_exhaustive, 2, "block", tiles, link, share, timeout=400):
         assert set(res) == {"forward", "backward"}

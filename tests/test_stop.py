@@ -209,28 +209,22 @@ def test_sigterm_with_exit_signal_handler_saves_and_resumes_exactly(tmp_path, ru
 
 @pytest.mark.timeout(600)
 def test_exit_interval_and_duration_resume_exactly(tmp_path):
-    """--exit-interval 5: stops after iteration 5, saved; then the rest (the interval not
-    reached again). --exit-duration-in-mins 1e-4 (a few ms): stops after the first step.
-    Both, resumed to the end, equal the straight run bit for bit."""
+    """--exit-interval 5: stops after iteration 5, saved. Resumed with
+    --exit-duration-in-mins 1e-4 (a few ms) too: stops after its first step (6), saved.
+    Resumed again: the rest (the interval not reached again). The three parts together
+    equal the straight run bit for bit."""
     kw = RUNS["dhelix"] + ["--train-iters", str(STEPS)]
     straight, _ = _train(tmp_path, "straight", *kw)
     ck = str(tmp_path / "ck")
-    parts = []
-    for i in range(2):
-        r, log = _train(tmp_path, f"part{i}", *kw, "--save", ck, "--exit-interval", "5",
-                        *(["--load", ck] if i else []))
-        parts.append(r)
-    assert [len(p["losses"]) for p in parts] == [5, 3]
-    assert parts[0]["exited"] == "--exit-interval 5"
-    assert parts[1]["exited"] is None
-    _check_resumed(straight, parts)
-    ck2 = str(tmp_path / "ck2")
-    first, log = _train(tmp_path, "dur", *kw, "--save", ck2, "--exit-duration-in-mins",
-                        "1e-4")
-    assert len(first["losses"]) == 1, log[-2000:]
-    assert "--exit-duration-in-mins 0.0001 reached: exiting after iteration 1" in log
-    rest, _ = _train(tmp_path, "dur-rest", *kw, "--load", ck2)
-    _check_resumed(straight, [first, rest])
+    load = ["--load", ck]
+    p0, _ = _train(tmp_path, "part0", *kw, "--save", ck, "--exit-interval", "5")
+    p1, log = _train(tmp_path, "part1", *kw, "--save", ck, "--exit-interval", "5", *load,
+                     "--exit-duration-in-mins", "1e-4")
+    p2, _ = _train(tmp_path, "part2", *kw, "--save", ck, "--exit-interval", "5", *load)
+    assert [len(p["losses"]) for p in (p0, p1, p2)] == [5, 1, STEPS - 6], log[-2000:]
+    assert p0["exited"] == "--exit-interval 5" and p2["exited"] is None
+    assert "--exit-duration-in-mins 0.0001 reached: exiting after iteration 6" in log
+    _check_resumed(straight, [p0, p1, p2])
 
 
 def test_exit_flags_are_checked_before_ranks_start():
